@@ -1,0 +1,34 @@
+"""Synchronized batch normalization for MXNet Gluon.
+
+``SyncBatchNorm`` is a drop-in replacement for ``mxnet.gluon.nn.BatchNorm``
+that normalizes with the statistics of the whole mini-batch across all
+devices, exactly as one BatchNorm on the concatenated batch would.
+"""
+from . import engine as _engine
+
+_engine.configure()  # before MXNet runs its first operator
+
+import mxnet as _mx  # noqa: E402
+
+from .errors import SyncBatchNormError, SyncBatchNormTimeout  # noqa: E402
+from .hooks import install_error_text_hook, install_record_abort_hook  # noqa: E402
+from .block import SyncBatchNorm  # noqa: E402
+from .convert import convert_model, revert_model  # noqa: E402
+from .registry import SESSION as _SESSION  # noqa: E402
+
+install_error_text_hook(_mx.base.MXNetError)
+install_record_abort_hook(_mx.autograd._RecordingStateScope, _SESSION)
+
+
+def reset():
+    """Fail every waiting SyncBatchNorm call now and restart the call numbering.
+
+    Not needed after the errors this library raises (it recovers by itself);
+    for code that abandons a step half-way for its own reasons.
+    """
+    _SESSION.abort_all()
+
+
+__version__ = '0.1.0'
+__all__ = ['SyncBatchNorm', 'SyncBatchNormError', 'SyncBatchNormTimeout',
+           'convert_model', 'revert_model', 'reset']

@@ -1,0 +1,196 @@
+"""Call-order rendezvous of the devices of one SyncBatchNorm layer.
+
+The k-th training call of a layer on each device belongs with the k-th call on
+every other device. :class:`CallOrderBarrier` numbers each device's forward
+calls, gathers one contribution per device for each number, combines them once
+(the last device to arrive does the work) and hands the same result to all.
+Backward exchanges use the key of the forward call they belong to, so they pair
+correctly even when devices run their backward passes in different orders.
+
+Calls carry a *token*: the training step they were issued in (see
+:class:`gluon_syncbn.registry.Session`). Numbering restarts from zero with
+every new token, and a call whose token is no longer current belongs to an
+aborted step: it raises at once.
+
+Nothing here knows about MXNet: the barrier is tested with plain threads.
+
+Failure rules (every wait is bounded):
+
+* a device that arrives with an error (``error=``) fails that exchange for all
+  devices at once, with that cause;
+* if ``combine`` raises, every device of the exchange gets that exception;
+* if not all devices arrive within ``timeout`` seconds, the devices that did
+  arrive get :class:`SyncBatchNormTimeout` naming the missing ones;
+* any of these aborts the step in the session: every other waiting or
+  already-issued call of the step fails at once with the same cause.
+"""
+import threading
+import time
+
+from .errors import SyncBatchNormError, SyncBatchNormTimeout, record_failure
+
+__all__ = ['CallOrderBarrier', 'LocalSession']
+
+
+class LocalSession(object):
+    """A session for a barrier used on its own: one token, never aborted."""
+
+    def token(self):
+        return 0
+
+    def check(self, token):
+        pass
+
+    def abort(self, cause):
+        pass
+
+    def fail_others(self, cause):
+        pass
+
+
+class _Exchange(object):
+    __slots__ = ('token', 'values', 'result', 'error', 'taken')
+
+    def __init__(self, token):
+        self.token = token
+        self.values = {}
+        self.result = None
+        self.error = None
+        self.taken = 0
+
+
+class CallOrderBarrier(object):
+    """Rendezvous of ``len(devices)`` devices, keyed by call order.
+
+    Parameters
+    ----------
+    name : str
+        Layer name, used in error messages.
+    devices : list of str
+        Names of the participating devices; ``device`` arguments index this list.
+    combine : callable
+        ``combine(key, values)`` gets ``{device_index: value}`` with one entry per
+        device and returns the result handed to every device. It runs once per
+        exchange, on the thread of the last device to arrive.
+    timeout : float
+        Seconds a device waits for the others before giving up.
+    hint : str, optional
+        Advice appended to the timeout message.
+    session : object, optional
+        Shared by all barriers of a process (see
+        :class:`gluon_syncbn.registry.Session`): ``token()``, ``check(token)``
+        (raises for a token that is no longer current), ``abort(error)`` (called
+        with this barrier's lock held, before any waiter wakes) and
+        ``fail_others(error)`` (called after the lock is released).
+    """
+
+    def __init__(self, name, devices, combine, timeout, hint='', session=None):
+        self.name = name
+        self.devices = list(devices)
+        self.num_devices = len(self.devices)
+        self.combine = combine
+        self.timeout = float(timeout)
+        self.hint = hint
+        self.session = session or LocalSession()
+        self._cond = threading.Condition()
+        self._exchanges = {}
+        self._counter_token = None
+        self._next_call = [0] * self.num_devices
+
+    def _current(self, token):
+        """The token a call runs under; raises if it belongs to an aborted step."""
+        if token is None:
+            # Operators created once (static graphs) cannot tell their step.
+            return self.session.token()
+        self.session.check(token)
+        return token
+
+    def next_forward_key(self, device, token=None):
+        """Number the next forward call of ``device``: ``('fwd', token, k)``."""
+        with self._cond:
+            token = self._current(token)
+            if token != self._counter_token:
+                self._counter_token = token
+                self._next_call = [0] * self.num_devices
+            k = self._next_call[device]
+            self._next_call[device] = k + 1
+            return ('fwd', token, k)
+
+    def exchange(self, key, device, value=None, error=None, token=None):
+        """Contribute ``value`` (or ``error``) for ``key``; return the combined result.
+
+        ``token`` is the step the call was issued in (None: unknown).
+
+        Raises
+        ------
+        SyncBatchNormError
+            The exchange failed: a device arrived with an error, ``combine``
+            raised, the call belongs to an aborted step, or the timeout passed.
+        """
+        deadline = time.monotonic() + self.timeout
+        failure = None  # set when this thread is the one that fails the step
+        with self._cond:
+            token = self._current(token)
+            ex = self._exchanges.get(key)
+            if ex is None:
+                ex = self._exchanges[key] = _Exchange(token)
+            if device in ex.values:
+                raise SyncBatchNormError(
+                    "SyncBatchNorm '%s': device %s called %s twice; this is a bug in "
+                    "gluon_syncbn, please report it." % (self.name, self.devices[device], key))
+            ex.values[device] = value
+            if ex.error is None and error is not None:
+                failure = error
+            elif ex.error is None and len(ex.values) == self.num_devices:
+                try:
+                    ex.result = self.combine(key, ex.values)
+                except Exception as exc:  # pylint: disable=broad-except
+                    failure = exc
+                self._cond.notify_all()
+            while failure is None and ex.result is None and ex.error is None:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    failure = self._timeout_error(key, ex)
+                    break
+                self._cond.wait(remaining)
+            if failure is not None:
+                # Before anyone wakes: nobody may see this error and issue the
+                # next step before the step is marked aborted.
+                self.session.abort(failure)
+                self._fail(failure, lambda e: True)
+            ex.taken += 1
+            # A failed exchange stays until every device has passed it, so a
+            # device that arrives late fails at once instead of waiting.
+            if ex.taken == self.num_devices and self._exchanges.get(key) is ex:
+                del self._exchanges[key]
+            error, result = ex.error, ex.result
+        if failure is not None:
+            self.session.fail_others(failure)
+        if error is not None:
+            record_failure(error)
+            raise error
+        return result
+
+    def _timeout_error(self, key, ex):
+        arrived = sorted(ex.values)
+        missing = [self.devices[i] for i in range(self.num_devices) if i not in ex.values]
+        what = 'forward' if key[0] == 'fwd' else 'backward'
+        return SyncBatchNormTimeout(
+            "SyncBatchNorm '%s': only %d of %d devices (%s) reached %s call #%d within %gs; "
+            "missing: %s. %s" % (
+                self.name, len(arrived), self.num_devices,
+                ', '.join(self.devices[i] for i in arrived), what, key[-1], self.timeout,
+                ', '.join(missing), self.hint))
+
+    def _fail(self, error, which):
+        """Fail the pending exchanges ``which(ex)`` selects (lock held)."""
+        for ex in self._exchanges.values():
+            if ex.result is None and ex.error is None and which(ex):
+                ex.error = error
+        self._cond.notify_all()
+
+    def fail_pending(self, error):
+        """Fail the waiting exchanges of steps that are no longer current."""
+        with self._cond:
+            current = self.session.token()
+            self._fail(error, lambda ex: ex.token != current)

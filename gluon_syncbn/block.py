@@ -1,0 +1,238 @@
+"""The SyncBatchNorm layer: arguments, parameters, checks, and the graph it builds."""
+import os
+import weakref
+
+import numpy as np
+from mxnet import autograd
+from mxnet.gluon import HybridBlock
+
+from . import op as _op
+from . import registry
+from .engine import is_naive_engine
+from .errors import SyncBatchNormError
+
+__all__ = ['SyncBatchNorm']
+
+DEFAULT_TIMEOUT = 180.0
+
+
+def default_timeout():
+    """Seconds to wait for the other devices: ``GLUON_SYNCBN_TIMEOUT`` or 180."""
+    value = os.environ.get('GLUON_SYNCBN_TIMEOUT')
+    return float(value) if value else DEFAULT_TIMEOUT
+
+
+def _array_getter(block):
+    """``(device, which) -> arrays`` of ``block``, without keeping it alive.
+
+    ``which='running'``: the running mean and variance; ``which='written'``: every
+    array a call writes (running statistics, gamma and beta gradients).
+    """
+    ref = weakref.ref(block)
+
+    def arrays(device, which):
+        layer = ref()
+        ctx = next(c for c in layer.running_mean.list_ctx() if str(c) == device)
+        found = [layer.running_mean.data(ctx), layer.running_var.data(ctx)]
+        if which == 'written':
+            found += [p.grad(ctx) for p in (layer.gamma, layer.beta) if p.grad_req != 'null']
+        return found
+    return arrays
+
+
+class SyncBatchNorm(HybridBlock):
+    """Batch normalization with statistics over the whole batch on all devices.
+
+    A drop-in replacement for :class:`mxnet.gluon.nn.BatchNorm`: same arguments,
+    defaults and parameter names (``gamma``, ``beta``, ``running_mean``,
+    ``running_var``), so parameter files move between the two. In training mode
+    each call meets the same call on the other devices (the k-th call on each
+    device belongs together) and normalizes with the mean and variance of the
+    concatenated batch, for any split, uneven ones included. Gradients are those
+    of one BatchNorm on the concatenated batch; ``gamma``/``beta`` gradients stay
+    per device and the Trainer sums them like any other parameter's.
+
+    Parameters
+    ----------
+    axis : int, default 1
+        The channel axis (1 for NCHW, -1 or 3 for NHWC).
+    momentum : float, default 0.9
+        ``running = running * momentum + batch * (1 - momentum)``.
+    epsilon : float, default 1e-5
+        Added to the variance.
+    center : bool, default True
+        Add ``beta``. If False, ``beta`` is not learned.
+    scale : bool, default True
+        Multiply by ``gamma``. If False, ``gamma`` is treated as 1.
+    use_global_stats : bool, default False
+        Always normalize with the running statistics (no synchronization).
+    beta_initializer, gamma_initializer : str or Initializer
+        Default 'zeros' and 'ones'.
+    running_mean_initializer, running_variance_initializer : str or Initializer
+        Default 'zeros' and 'ones'.
+    in_channels : int, default 0
+        Number of channels; 0 defers initialization to the first call.
+    num_devices : int or None, default None
+        Devices taking part. None: the number of contexts the parameters were
+        initialized on. Any other value must equal that number.
+    timeout : float or None, default None
+        Seconds a device waits for the others before raising
+        :class:`SyncBatchNormTimeout`; None reads ``GLUON_SYNCBN_TIMEOUT``, else 180.
+
+    Inputs:
+        - **data**: input of 2 to 5 dimensions, float16, float32 or float64.
+
+    Outputs:
+        - **out**: output of the same shape and dtype as `data`.
+
+    Notes
+    -----
+    Running statistics are updated in the forward pass of every training call
+    (``nn.BatchNorm`` on CPU updates them during backward); with forward and
+    backward in each step, as in training, the two agree.
+    """
+
+    def __init__(self, axis=1, momentum=0.9, epsilon=1e-5, center=True, scale=True,
+                 use_global_stats=False, beta_initializer='zeros', gamma_initializer='ones',
+                 running_mean_initializer='zeros', running_variance_initializer='ones',
+                 in_channels=0, num_devices=None, timeout=None, **kwargs):
+        super(SyncBatchNorm, self).__init__(**kwargs)
+        if num_devices is not None and (int(num_devices) != num_devices or num_devices < 1):
+            raise ValueError('SyncBatchNorm: num_devices must be a positive integer or None, '
+                             'got %r' % (num_devices,))
+        self._kwargs = {'axis': axis, 'eps': epsilon, 'momentum': momentum,
+                        'fix_gamma': not scale, 'use_global_stats': use_global_stats}
+        self._center = center
+        self._num_devices = num_devices
+        self._timeout = float(timeout) if timeout is not None else default_timeout()
+        self._group_id = registry.new_group_id()
+        self._group = None
+        self._input_dtype = 'float32'
+        self._static_shape = False
+        weakref.finalize(self, registry.unregister, self._group_id)
+        if in_channels != 0:
+            self.in_channels = in_channels
+        self.gamma = self.params.get('gamma', grad_req='write' if scale else 'null',
+                                     shape=(in_channels,), init=gamma_initializer,
+                                     allow_deferred_init=True, differentiable=scale)
+        self.beta = self.params.get('beta', grad_req='write' if center else 'null',
+                                    shape=(in_channels,), init=beta_initializer,
+                                    allow_deferred_init=True, differentiable=center)
+        self.running_mean = self.params.get('running_mean', grad_req='null',
+                                            shape=(in_channels,),
+                                            init=running_mean_initializer,
+                                            allow_deferred_init=True, differentiable=False)
+        self.running_var = self.params.get('running_var', grad_req='null',
+                                           shape=(in_channels,),
+                                           init=running_variance_initializer,
+                                           allow_deferred_init=True, differentiable=False)
+
+    @property
+    def num_devices(self):
+        """The number of devices synchronizing, once the parameters are initialized."""
+        return len(self._devices())
+
+    def hybridize(self, active=True, **kwargs):
+        # Remembered for the operator: see SyncBatchNormOp._update_running.
+        self._static_shape = bool(active and kwargs.get('static_shape', False))
+        super(SyncBatchNorm, self).hybridize(active, **kwargs)
+
+    def cast(self, dtype):
+        # Like nn.BatchNorm: float16 networks keep float32 parameters. We also
+        # remember the network's dtype: a hybridized graph cannot see its input's
+        # dtype, and float16 input needs casts around float32 statistics.
+        self._input_dtype = np.dtype(dtype).name
+        if self._input_dtype == 'float16':
+            dtype = 'float32'
+        super(SyncBatchNorm, self).cast(dtype)
+
+    def _devices(self):
+        return [str(c) for c in self.gamma.list_ctx()]
+
+    def _sync_group(self):
+        """The registry entry for the current contexts, checked against num_devices."""
+        devices = self._devices()
+        if self._num_devices is not None and self._num_devices != len(devices):
+            raise SyncBatchNormError(
+                "SyncBatchNorm '%s': num_devices=%d but its parameters are initialized on %d "
+                "context(s) (%s); it would wait for devices that never call. Pass "
+                "num_devices=None, or initialize on %d contexts." % (
+                    self.name, self._num_devices, len(devices), ', '.join(devices),
+                    self._num_devices))
+        if len(devices) > 1 and is_naive_engine():
+            raise SyncBatchNormError(
+                "SyncBatchNorm '%s': MXNET_ENGINE_TYPE=NaiveEngine runs operators one at a "
+                "time, so device 0 would wait forever for device 1. Unset it (use "
+                "ThreadedEnginePerDevice) or train on one device." % self.name)
+        group = self._group
+        if group is None or group.devices != devices:
+            group = registry.SyncGroup(self._group_id, self.name, devices,
+                                       self._kwargs['axis'], self._timeout,
+                                       arrays=_array_getter(self))
+            registry.register(group)
+            self._group = group
+        return group
+
+    def _check_input(self, x):
+        try:
+            self._validate_input(x)
+        except SyncBatchNormError as exc:
+            # Devices issued before this one would wait for it: fail them now.
+            registry.SESSION.abort_all(exc)
+            raise
+
+    def _validate_input(self, x):
+        if not 2 <= x.ndim <= 5:
+            raise SyncBatchNormError(
+                "SyncBatchNorm '%s' expects input of 2 to 5 dimensions, got shape %s. "
+                "Reshape it, e.g. to (N, C, L)." % (self.name, x.shape))
+        axis = self._kwargs['axis']
+        if not -x.ndim <= axis < x.ndim:
+            raise SyncBatchNormError(
+                "SyncBatchNorm '%s': axis=%d is out of range for input of shape %s."
+                % (self.name, axis, x.shape))
+        channels = x.shape[axis]
+        expected = self.gamma.shape[0] if self.gamma.shape else 0
+        if expected and channels != expected:
+            raise SyncBatchNormError(
+                "SyncBatchNorm '%s': input has %d channels on axis %d (shape %s) but the "
+                "layer has in_channels=%d. Feed %d channels or build the layer with "
+                "in_channels=%d." % (self.name, channels, axis, x.shape, expected, expected,
+                                     channels))
+
+    def hybrid_forward(self, F, x, gamma, beta, running_mean, running_var):
+        imperative = not hasattr(F, 'Variable')
+        if imperative:
+            self._check_input(x)
+        if self._kwargs['use_global_stats'] or (imperative and not autograd.is_training()):
+            # Inference: running statistics, no synchronization at all.
+            return F.BatchNorm(x, gamma, beta, running_mean, running_var, name='fwd',
+                               **dict(self._kwargs, use_global_stats=True))
+        group = self._sync_group()
+        axis = self._kwargs['axis']
+        half = np.dtype(x.dtype if imperative else self._input_dtype) == np.float16
+        # Statistics in at least float32: float16 input is widened, then narrowed back.
+        xs = F.Cast(x, dtype='float32') if half else x
+        m1 = F.mean(xs, axis=axis, exclude=True, keepdims=True)
+        xc = F.broadcast_sub(xs, m1)
+        m2 = F.mean(xc, axis=axis, exclude=True, keepdims=True)
+        sqdev = F.mean(F.square(xc), axis=axis, exclude=True, keepdims=True)
+        size = F.BlockGrad(F.size_array(x))
+        scale, shift, _ = F.Custom(
+            m1, m2, sqdev, size, gamma, beta, running_mean, running_var,
+            op_type=_op.OP_TYPE, group=group.group_id, eps=self._kwargs['eps'],
+            momentum=self._kwargs['momentum'], fix_gamma=self._kwargs['fix_gamma'],
+            static_shape=self._static_shape,
+            input_dtype=np.dtype(x.dtype).name if imperative else self._input_dtype,
+            name='sync')
+        out = F.broadcast_add(F.broadcast_mul(xc, scale), shift)
+        return F.Cast(out, dtype='float16') if half else out
+
+    def __repr__(self):
+        s = '{name}({content}'
+        in_channels = self.gamma.shape[0] if self.gamma.shape else 0
+        s += ', in_channels={0}'.format(in_channels or None)
+        s += ', num_devices={0})'.format(self._num_devices)
+        return s.format(name=self.__class__.__name__,
+                        content=', '.join('='.join([k, v.__repr__()])
+                                          for k, v in self._kwargs.items()))

@@ -1,0 +1,39 @@
+"""Exceptions raised by gluon_syncbn, and the record of recent failures.
+
+MXNet runs custom operators on its own threads. An exception raised there is
+printed to stdout and replaced, at the next synchronization point, by a generic
+``MXNetError: Check failed: ... callbacks[kCustomOpForward]``. Every failure is
+therefore recorded here; :mod:`gluon_syncbn.hooks` appends it to the text of
+that ``MXNetError``.
+"""
+import collections
+import threading
+
+__all__ = ['SyncBatchNormError', 'SyncBatchNormTimeout']
+
+
+class SyncBatchNormError(RuntimeError):
+    """A SyncBatchNorm layer could not synchronize or got bad input."""
+
+
+class SyncBatchNormTimeout(SyncBatchNormError):
+    """Not every device reached the same SyncBatchNorm call within the timeout."""
+
+
+_recent = collections.deque(maxlen=8)
+_recent_lock = threading.Lock()
+
+
+def record_failure(exc):
+    """Remember ``exc`` so the next custom-op ``MXNetError`` can carry its text."""
+    with _recent_lock:
+        if all(str(e) != str(exc) for e in _recent):
+            _recent.append(exc)
+
+
+def take_failures():
+    """The failures recorded since the last call, oldest first."""
+    with _recent_lock:
+        failures = list(_recent)
+        _recent.clear()
+    return failures

@@ -1,0 +1,48 @@
+"""The two places gluon_syncbn hooks into MXNet, both narrow and idempotent.
+
+* ``MXNetError`` raised for a failed custom operator carries only MXNet's
+  generic check text; we append the SyncBatchNorm failure that caused it.
+* An exception that leaves ``autograd.record()`` means the step was abandoned
+  half-way (say device 2's forward raised in user code): the SyncBatchNorm calls
+  already issued for devices 0 and 1 would wait for partners that never come, so
+  we abort the step and they fail at once instead of at the timeout.
+"""
+from .errors import SyncBatchNormError, take_failures
+
+__all__ = ['install_error_text_hook', 'install_record_abort_hook']
+
+_CUSTOM_OP_MARKERS = ('kCustomOpForward', 'kCustomOpBackward', 'kCustomOpProp')
+
+
+def install_error_text_hook(mxnet_error_class):
+    """Make ``MXNetError``s raised for a failed custom op name our cause."""
+    if getattr(mxnet_error_class, '_gluon_syncbn_hooked', False):
+        return
+    original_init = mxnet_error_class.__init__
+
+    def __init__(self, *args, **kwargs):
+        if args and isinstance(args[0], str) and any(m in args[0] for m in _CUSTOM_OP_MARKERS):
+            failures = take_failures()
+            if failures:
+                causes = '\n'.join('%s: %s' % (type(e).__name__, e) for e in failures)
+                args = (args[0] + '\n\nCaused by (gluon_syncbn):\n' + causes,) + args[1:]
+        original_init(self, *args, **kwargs)
+
+    mxnet_error_class.__init__ = __init__
+    mxnet_error_class._gluon_syncbn_hooked = True
+
+
+def install_record_abort_hook(scope_class, session):
+    """Abort the step when an exception leaves an ``autograd.record()`` scope."""
+    if getattr(scope_class, '_gluon_syncbn_hooked', False):
+        return
+    original_exit = scope_class.__exit__
+
+    def __exit__(self, ptype, value, trace):
+        if ptype is not None and session.active():
+            session.abort_all(SyncBatchNormError(
+                'the training step was abandoned: %s: %s' % (ptype.__name__, value)))
+        return original_exit(self, ptype, value, trace)
+
+    scope_class.__exit__ = __exit__
+    scope_class._gluon_syncbn_hooked = True

@@ -1,0 +1,213 @@
+"""The custom operator that synchronizes one SyncBatchNorm call across devices.
+
+It sees only per-channel vectors: the local moments computed by MXNet's native
+reductions, gamma/beta and the running statistics. It never touches the
+activations, so MKL-DNN's blocked layouts never reach Python, and it issues no
+MXNet operator of its own (reading and writing its small arrays are direct
+copies), so nothing it does can queue behind the engine work that waits for it.
+
+Data flow of one training call on device ``d``::
+
+    local moments --> forward_contribution --> barrier (all devices, call #k)
+        --> sum + transport --> merge --> scale, shift  (and running stats)
+
+and of its backward::
+
+    d scale, d shift --> backward_contribution --> barrier (key of call #k)
+        --> sum + transport --> local_moment_grads, d gamma, d beta
+"""
+import numpy as np
+import mxnet as mx
+from mxnet.ndarray.ndarray import _DTYPE_MX_TO_NP
+
+from . import stats
+from .errors import SyncBatchNormError, record_failure
+from .registry import SESSION, get_group
+
+OP_TYPE = '_gluon_syncbn'
+
+# info output: [token, call number, global count, mean (C), var (C)]
+_INFO_HEAD = 3
+
+
+def _write(dst, req, value):
+    """Store a NumPy value into a callback array without issuing an operator."""
+    if req == 'null':
+        return
+    value = np.asarray(value, dtype=dst.dtype).reshape(dst.shape)
+    if req == 'add':
+        value = value + dst.asnumpy()
+    dst[:] = value
+
+
+def _read(arr):
+    return arr.asnumpy().astype(np.float64).ravel()
+
+
+class SyncBatchNormOp(mx.operator.CustomOp):
+    """One device's instance of the synchronization operator."""
+
+    def __init__(self, group, device, eps, momentum, fix_gamma, static_shape, input_dtype):
+        super(SyncBatchNormOp, self).__init__()
+        self.input_dtype = input_dtype
+        self.group = group
+        self.device = device
+        self.eps = eps
+        self.momentum = momentum
+        self.fix_gamma = fix_gamma
+        self.static_shape = static_shape
+        # The step this call was issued in. A static_shape graph creates its
+        # operators once, at the first call, so there it means nothing.
+        self.token = None if static_shape else SESSION.token()
+
+    def _fail(self, exc):
+        record_failure(exc)
+        raise exc
+
+    def forward(self, is_train, req, in_data, out_data, aux):
+        m1, m2, v = (_read(a) for a in in_data[:3])
+        count = int(in_data[3].asnumpy()[0]) // max(m1.size, 1)
+        gamma = np.ones_like(m1) if self.fix_gamma else _read(in_data[4])
+        beta = _read(in_data[5])
+        if not is_train:
+            mean, var = _read(aux[0]), _read(aux[1])
+            head = (-1.0, -1.0, 0.0)
+        else:
+            barrier = self.group.barrier
+            key = barrier.next_forward_key(self.device, self.token)
+            contribution = stats.forward_contribution(count, m1, m2, v)
+            total = barrier.exchange(key, self.device, (contribution, self.input_dtype),
+                                     token=self.token)
+            n, mean, var = stats.merge(total)
+            self._update_running(aux, mean, var)
+            head = (float(key[1]), float(key[2]), n)
+        scale, shift, _ = stats.normalize_coefficients(mean, var, m1, gamma, beta, self.eps)
+        _write(out_data[0], req[0], scale)
+        _write(out_data[1], req[1], shift)
+        _write(out_data[2], req[2], np.concatenate((head, mean, var)))
+
+    def _update_running(self, aux, mean, var):
+        mom = self.momentum
+        new = [(_read(aux[0]) * mom + mean * (1.0 - mom)).astype(aux[0].dtype),
+               (_read(aux[1]) * mom + var * (1.0 - mom)).astype(aux[1].dtype)]
+        aux[0][:] = new[0]
+        aux[1][:] = new[1]
+        if self.static_shape and self.device == 0:
+            # MXNet 1.9.1's static_shape executor registers auxiliary states as
+            # read-only dependencies, so nothing orders later readers (the
+            # Trainer's first broadcast, user code) after the writes above.
+            # Asynchronous copies into the parameters' own arrays are ordered.
+            # Device 0 writes every device's copy (all hold the same values), so
+            # whichever copy lands last, the replicas end up new and identical.
+            for device in range(len(self.group.devices)):
+                for param, value in zip(self.group.running_params(device), new):
+                    mx.nd.array(value, ctx=param.context, dtype=value.dtype).copyto(param)
+
+    def backward(self, req, out_grad, in_data, out_data, in_grad, aux):
+        info = _read(out_data[2])
+        channels = (info.size - _INFO_HEAD) // 2
+        token, call, n = info[0], info[1], info[2]
+        mean = info[_INFO_HEAD:_INFO_HEAD + channels]
+        var = info[_INFO_HEAD + channels:]
+        if call < 0:
+            self._fail(SyncBatchNormError(
+                "SyncBatchNorm '%s': backward through a call made in inference mode; record "
+                "the forward pass under autograd.record() (train_mode=True)." % self.group.name))
+        m1, m2 = _read(in_data[0]), _read(in_data[1])
+        count = int(in_data[3].asnumpy()[0]) // channels
+        gamma = np.ones_like(m1) if self.fix_gamma else _read(in_data[4])
+        inv_std = 1.0 / np.sqrt(var + self.eps)
+        contribution, d_gamma, d_beta = stats.backward_contribution(
+            _read(out_grad[0]), _read(out_grad[1]), mean, m1, gamma, inv_std)
+        key = ('bwd', int(token), int(call))
+        total = self.group.barrier.exchange(key, self.device, (contribution, self.input_dtype),
+                                            token=self.token)
+        d_m1, d_m2, d_v = stats.local_moment_grads(
+            total, contribution[:channels], count, n, mean, m1, m2)
+        _write(in_grad[0], req[0], d_m1)
+        _write(in_grad[1], req[1], d_m2)
+        _write(in_grad[2], req[2], d_v)
+        _write(in_grad[3], req[3], 0)
+        _write(in_grad[4], req[4], 0 if self.fix_gamma else d_gamma)
+        _write(in_grad[5], req[5], d_beta)
+
+
+@mx.operator.register(OP_TYPE)
+class SyncBatchNormProp(mx.operator.CustomOpProp):
+    """Shapes, types and construction of :class:`SyncBatchNormOp`.
+
+    ``declare_backward_dependency`` is left at MXNet's default on purpose:
+    mx.operator keeps one process-wide copy of it, and overriding it would break
+    other custom operators that rely on the default.
+    """
+
+    def __init__(self, group, eps, momentum, fix_gamma, static_shape='False',
+                 input_dtype='float32'):
+        super(SyncBatchNormProp, self).__init__(need_top_grad=True)
+        self.group_id = group
+        self.eps = float(eps)
+        self.momentum = float(momentum)
+        self.fix_gamma = fix_gamma in ('True', 'true', '1')
+        self.static_shape = static_shape in ('True', 'true', '1')
+        self.input_dtype = input_dtype
+
+    def list_arguments(self):
+        return ['mean', 'residual', 'sqdev', 'size', 'gamma', 'beta']
+
+    def list_outputs(self):
+        return ['scale', 'shift', 'info']
+
+    def list_auxiliary_states(self):
+        return ['running_mean', 'running_var']
+
+    def infer_shape(self, in_shape):
+        group = get_group(self.group_id)
+        stat_shape = tuple(in_shape[0])
+        if not 2 <= len(stat_shape) <= 5:
+            self._fail_shape(group, 'expects input of 2 to 5 dimensions, got %d (shape '
+                             'of the statistics %s). Reshape the input, e.g. to (N, C, L).'
+                             % (len(stat_shape), stat_shape))
+        channels = int(np.prod(stat_shape))
+        for i, what in ((4, 'gamma'), (5, 'beta'), (6, 'running_mean'), (7, 'running_var')):
+            given = tuple(in_shape[i]) if i < len(in_shape) else ()
+            known = given and all(d > 0 for d in given)
+            if known and int(np.prod(given)) != channels:
+                self._fail_shape(group, 'input has %d channels on axis %d but %s has shape %s. '
+                                 'Set in_channels=%d or feed %d channels.'
+                                 % (channels, group.axis, what, given, channels, given[0]))
+        vec = (channels,)
+        return ([stat_shape] * 3 + [(1,), vec, vec],
+                [stat_shape, stat_shape, (_INFO_HEAD + 2 * channels,)],
+                [vec, vec])
+
+    @staticmethod
+    def _fail_shape(group, message):
+        exc = SyncBatchNormError("SyncBatchNorm '%s' %s" % (group.name, message))
+        record_failure(exc)
+        SESSION.abort_all(exc)  # devices already issued would otherwise wait for this one
+        raise exc
+
+    def infer_type(self, in_type):
+        dtype = in_type[0]
+        if dtype is not None and np.dtype(dtype) == np.float16:
+            group = get_group(self.group_id)
+            self._fail_shape(group, 'got float16 statistics inside a hybridized graph: call '
+                             'net.cast(\'float16\') so the layer knows to compute its '
+                             'statistics in float32.')
+        param = in_type[4] if in_type[4] is not None else np.float32
+        return ([dtype] * 3 + [np.int64, param, param],
+                [dtype, dtype, np.float64],
+                [param, param])
+
+    def create_operator(self, ctx, in_shapes, in_dtypes):
+        group = get_group(self.group_id)
+        device = group.device_index(ctx)
+        if not self.static_shape:
+            # Runs when the call is issued (imperative and dynamic graphs).
+            group.clear_failed_state(device, SESSION.token())
+        # The graph's own dtype (float32 for float16 input widened by the
+        # block) and the input's dtype as the block saw it must both agree.
+        stats_dtype = np.dtype(_DTYPE_MX_TO_NP[in_dtypes[0]]).name  # MXNet type code
+        dtype = '%s (statistics in %s)' % (self.input_dtype, stats_dtype)
+        return SyncBatchNormOp(group, device, self.eps, self.momentum,
+                               self.fix_gamma, self.static_shape, dtype)

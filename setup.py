@@ -1,0 +1,31 @@
+"""gluon_syncbn: synchronized BatchNorm for MXNet Gluon."""
+import os
+
+from setuptools import find_packages, setup
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+setup(
+    name='gluon_syncbn',
+    version='0.1.0',
+    description='Synchronized BatchNorm for MXNet Gluon: exact on any split, never hangs',
+    long_description=open(os.path.join(HERE, 'README.md')).read(),
+    long_description_content_type='text/markdown',
+    packages=find_packages(include=['gluon_syncbn', 'gluon_syncbn.*']),
+    python_requires='>=3.7',
+    # MXNet 1.9.1 uses np.bool, removed in NumPy 1.24.
+    install_requires=['numpy<1.24'],
+    extras_require={
+        # Pick one MXNet build. The GPU wheel needs CUDA 11.2, cuDNN 8 and NCCL 2
+        # libraries and an NVIDIA driver on the machine; it cannot import without them.
+        'cpu': ['mxnet==1.9.1'],
+        'gpu': ['mxnet-cu112==1.9.1'],
+        'test': ['pytest>=7', 'pytest-timeout>=2'],
+    },
+    classifiers=[
+        'Programming Language :: Python :: 3',
+        'License :: OSI Approved :: Apache Software License',
+        'Topic :: Scientific/Engineering :: Artificial Intelligence',
+    ],
+    license='Apache-2.0',
+)

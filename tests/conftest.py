@@ -1,0 +1,73 @@
+"""Running multi-device scenarios in subprocesses with hard deadlines.
+
+MXNet never runs in the pytest process for multi-device work: a wedged engine
+then costs one test (killed at its deadline), not the whole suite.
+"""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class ScenarioFailed(AssertionError):
+    pass
+
+
+def _run(args, timeout, env):
+    full_env = dict(os.environ)
+    full_env.update(env or {})
+    full_env['PYTHONPATH'] = ROOT + os.pathsep + full_env.get('PYTHONPATH', '')
+    try:
+        proc = subprocess.run([sys.executable, '-m', 'tests.scenarios'] + args, cwd=ROOT,
+                              env=full_env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as exc:
+        out = (exc.stdout or b'').decode() if isinstance(exc.stdout, bytes) else (exc.stdout or '')
+        raise ScenarioFailed('scenario %s did not finish within %ss (hang?)\n%s'
+                             % (args[0], timeout, out[-3000:]))
+    return proc
+
+
+def run_scenario(name, timeout=120, env=None, **kwargs):
+    """Run one scenario in a fresh process; return its result dict."""
+    proc = _run([name, json.dumps(kwargs)], timeout, env)
+    for line in proc.stdout.splitlines():
+        if line.startswith('RESULT '):
+            return json.loads(line[len('RESULT '):])
+    raise ScenarioFailed('scenario %s %s failed (exit %d):\n%s' % (
+        name, kwargs, proc.returncode, (proc.stdout + proc.stderr)[-4000:]))
+
+
+def run_batch(cases, timeout=300, env=None):
+    """Run ``[(name, kwargs), ...]`` in one fresh process; return results by index.
+
+    A case that did not report (crash, or the deadline) maps to a ScenarioFailed.
+    """
+    try:
+        proc = _run(['--batch', json.dumps(cases)], timeout, env)
+        output = proc.stdout + proc.stderr
+    except ScenarioFailed as exc:
+        proc, output = None, str(exc)
+    results = {}
+    for line in (proc.stdout.splitlines() if proc else []):
+        if line.startswith('RESULT '):
+            _, index, payload = line.split(' ', 2)
+            results[int(index)] = json.loads(payload)
+    for i in range(len(cases)):
+        results.setdefault(i, ScenarioFailed('case %s did not report:\n%s'
+                                             % (cases[i], output[-4000:])))
+    return results
+
+
+def result_of(results, index):
+    result = results[index]
+    if isinstance(result, Exception):
+        raise result
+    return result
+
+
+def pytest_configure(config):
+    config.addinivalue_line('markers', 'slow: long multi-device runs (still part of CI)')

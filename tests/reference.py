@@ -1,0 +1,34 @@
+"""Independent references: NumPy float64 batch-norm maths and nn.BatchNorm."""
+import numpy as np
+
+
+def batchnorm_float64(x, dy, gamma, beta, axis=1, eps=1e-5):
+    """Training-mode batch norm on the whole batch in float64.
+
+    Returns ``(y, dx, dgamma, dbeta, mean, var)``; ``var`` is the biased variance.
+    """
+    x = x.astype(np.float64)
+    dy = dy.astype(np.float64)
+    axis = axis % x.ndim
+    red = tuple(i for i in range(x.ndim) if i != axis)
+    bshape = [1] * x.ndim
+    bshape[axis] = -1
+    mean = x.mean(axis=red)
+    var = x.var(axis=red)
+    inv = 1.0 / np.sqrt(var + eps)
+    xhat = (x - mean.reshape(bshape)) * inv.reshape(bshape)
+    g = np.asarray(gamma, np.float64).reshape(bshape)
+    y = xhat * g + np.asarray(beta, np.float64).reshape(bshape)
+    dgamma = (dy * xhat).sum(axis=red)
+    dbeta = dy.sum(axis=red)
+    dx = g * inv.reshape(bshape) * (dy - dy.mean(axis=red, keepdims=True)
+                                    - xhat * (dy * xhat).mean(axis=red, keepdims=True))
+    return y, dx, dgamma, dbeta, mean, var
+
+
+def max_rel_err(actual, expected):
+    """max |actual - expected| / max(|expected|, tiny), as a float."""
+    actual = np.asarray(actual, np.float64)
+    expected = np.asarray(expected, np.float64)
+    scale = max(np.abs(expected).max(), 1e-12)
+    return float(np.abs(actual - expected).max() / scale)

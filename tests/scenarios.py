@@ -1,0 +1,467 @@
+"""Multi-device scenarios, each run in its own subprocess by tests (see conftest).
+
+Run as ``python -m tests.scenarios NAME JSON_KWARGS``; prints one JSON line
+``RESULT {...}`` with the measured errors. Keeping MXNet out of the pytest
+process means a wedged engine fails one test (by its timeout), not the suite.
+"""
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+import gluon_syncbn  # noqa: F401  (configures the engine before MXNet runs)
+import mxnet as mx
+from mxnet import autograd, gluon
+
+from gluon_syncbn import SyncBatchNorm
+from tests.reference import batchnorm_float64, max_rel_err
+
+SCENARIOS = {}
+VERBOSE = bool(os.environ.get('SCENARIO_VERBOSE'))
+
+
+def scenario(fn):
+    SCENARIOS[fn.__name__] = fn
+    return fn
+
+
+def contexts(n):
+    return [mx.cpu(i) for i in range(n)]
+
+
+def split_batch(x, sizes):
+    bounds = np.cumsum([0] + list(sizes))
+    return [x[bounds[i]:bounds[i + 1]] for i in range(len(sizes))]
+
+
+@scenario
+def layer_vs_reference(shape, sizes, axis=1, dtype='float32', hybridize=False, steps=3,
+                       offset=0.0, momentum=0.9, seed=0):
+    """SyncBatchNorm on len(sizes) devices vs float64 maths and nn.BatchNorm on one.
+
+    Returns the worst relative error per quantity over all steps.
+    """
+    rng = np.random.RandomState(seed)
+    shape = tuple(shape)
+    channels = shape[axis]
+    ctxs = contexts(len(sizes))
+    gamma = rng.uniform(0.5, 1.5, channels).astype(np.float32)
+    beta = rng.uniform(-0.5, 0.5, channels).astype(np.float32)
+
+    bn = SyncBatchNorm(axis=axis, momentum=momentum, in_channels=channels)
+    bn.initialize(ctx=ctxs)
+    bn.gamma.set_data(mx.nd.array(gamma))
+    bn.beta.set_data(mx.nd.array(beta))
+    if hybridize:
+        bn.hybridize(static_alloc=hybridize == 'static', static_shape=hybridize == 'static')
+    if dtype == 'float16':
+        bn.cast('float16')
+
+    ref = gluon.nn.BatchNorm(axis=axis, momentum=momentum, in_channels=channels)
+    ref.initialize(ctx=mx.cpu(0))
+    ref.gamma.set_data(mx.nd.array(gamma))
+    ref.beta.set_data(mx.nd.array(beta))
+
+    errs = {}
+    run_mean = np.zeros(channels)
+    run_var = np.ones(channels)
+
+    def note(name, actual, expected):
+        errs[name] = max(errs.get(name, 0.0), max_rel_err(actual, expected))
+
+    for _ in range(steps):
+        x = (rng.randn(*shape) * rng.uniform(0.5, 3) + offset).astype(dtype)
+        dy = rng.randn(*shape).astype(dtype)
+        xs = [mx.nd.array(p, ctx=c, dtype=dtype) for p, c in zip(split_batch(x, sizes), ctxs)]
+        dys = [mx.nd.array(p, ctx=c, dtype=dtype) for p, c in zip(split_batch(dy, sizes), ctxs)]
+        for a in xs:
+            a.attach_grad()
+        with autograd.record():
+            ys = [bn(a) for a in xs]
+        autograd.backward(ys, dys)
+        y = np.concatenate([a.asnumpy() for a in ys])
+        dx = np.concatenate([a.grad.asnumpy() for a in xs])
+        dgamma = sum(bn.gamma.grad(c).asnumpy().astype(np.float64) for c in ctxs)
+        dbeta = sum(bn.beta.grad(c).asnumpy().astype(np.float64) for c in ctxs)
+
+        # float64 maths on the same (rounded) input
+        y64, dx64, dg64, db64, mean64, var64 = batchnorm_float64(x, dy, gamma, beta, axis)
+        run_mean = run_mean * momentum + mean64 * (1 - momentum)
+        run_var = run_var * momentum + var64 * (1 - momentum)
+        note('y', y, y64)
+        note('dx', dx, dx64)
+        note('dgamma', dgamma, dg64)
+        note('dbeta', dbeta, db64)
+        for c in ctxs:
+            note('running_mean', bn.running_mean.data(c).asnumpy(), run_mean)
+            note('running_var', bn.running_var.data(c).asnumpy(), run_var)
+        errs['replicas_identical'] = float(all(
+            (bn.running_mean.data(c).asnumpy() == bn.running_mean.data(ctxs[0]).asnumpy()).all()
+            and (bn.running_var.data(c).asnumpy() == bn.running_var.data(ctxs[0]).asnumpy()).all()
+            for c in ctxs))
+
+        if dtype == 'float32' and offset == 0.0:
+            # nn.BatchNorm on the concatenated batch, one context
+            xf = mx.nd.array(x, ctx=mx.cpu(0))
+            xf.attach_grad()
+            with autograd.record():
+                yf = ref(xf)
+            yf.backward(mx.nd.array(dy, ctx=mx.cpu(0)))
+            note('y_vs_nn', y, yf.asnumpy())
+            note('dx_vs_nn', dx, xf.grad.asnumpy())
+            note('dgamma_vs_nn', dgamma, ref.gamma.grad().asnumpy())
+            note('dbeta_vs_nn', dbeta, ref.beta.grad().asnumpy())
+            note('running_mean_vs_nn', bn.running_mean.data(ctxs[0]).asnumpy(),
+                 ref.running_mean.data().asnumpy())
+            note('running_var_vs_nn', bn.running_var.data(ctxs[0]).asnumpy(),
+                 ref.running_var.data().asnumpy())
+    errs['out_dtype_ok'] = float(all(a.dtype == np.dtype(dtype) for a in ys))
+    return errs
+
+
+# ---------------------------------------------------------------- networks
+def make_norm(kind, **kwargs):
+    return SyncBatchNorm(**kwargs) if kind == 'sync' else gluon.nn.BatchNorm(**kwargs)
+
+
+class ConvStack(gluon.HybridBlock):
+    """``layers`` x (conv 3x3, BN, relu [, dropout]), global pooling, dense."""
+
+    def __init__(self, norm, layers, width=8, dropout=0.0, classes=5, **kwargs):
+        super(ConvStack, self).__init__(**kwargs)
+        with self.name_scope():
+            self.body = gluon.nn.HybridSequential()
+            for i in range(layers):
+                self.body.add(gluon.nn.Conv2D(width * (1 + i % 2), 3, padding=1, use_bias=False))
+                if dropout:
+                    self.body.add(gluon.nn.Dropout(dropout))
+                self.body.add(make_norm(norm))
+                self.body.add(gluon.nn.Activation('relu'))
+                if dropout:
+                    self.body.add(gluon.nn.Dropout(dropout))
+            self.head = gluon.nn.Dense(classes)
+
+    def hybrid_forward(self, F, x):
+        return self.head(F.mean(self.body(x), axis=(2, 3)))
+
+
+class ASPPNet(gluon.HybridBlock):
+    """A stem and parallel dilated branches, each with its own BN (several BN
+    layers in flight on one device at once), concatenated, then a residual block."""
+
+    def __init__(self, norm, width=8, classes=5, **kwargs):
+        super(ASPPNet, self).__init__(**kwargs)
+        with self.name_scope():
+            self.stem = gluon.nn.HybridSequential()
+            self.stem.add(gluon.nn.Conv2D(width, 3, padding=1, use_bias=False), make_norm(norm),
+                          gluon.nn.Activation('relu'))
+            self.branches = []
+            for i, rate in enumerate((1, 2, 3)):
+                branch = gluon.nn.HybridSequential(prefix='branch%d_' % i)
+                branch.add(gluon.nn.Conv2D(width, 3 if rate > 1 else 1, padding=rate if rate > 1 else 0,
+                                           dilation=rate, use_bias=False), make_norm(norm),
+                           gluon.nn.Activation('relu'))
+                self.register_child(branch)
+                self.branches.append(branch)
+            self.project = gluon.nn.HybridSequential()
+            self.project.add(gluon.nn.Conv2D(width, 1, use_bias=False), make_norm(norm))
+            self.res = gluon.nn.HybridSequential()
+            self.res.add(gluon.nn.Conv2D(width, 3, padding=1, use_bias=False), make_norm(norm),
+                         gluon.nn.Activation('relu'),
+                         gluon.nn.Conv2D(width, 3, padding=1, use_bias=False), make_norm(norm))
+            self.head = gluon.nn.Dense(classes)
+
+    def hybrid_forward(self, F, x):
+        x = self.stem(x)
+        x = self.project(F.concat(*[b(x) for b in self.branches], dim=1))
+        x = F.relu(x + self.res(x))
+        return self.head(F.mean(x, axis=(2, 3)))
+
+
+def build(arch, norm, **kwargs):
+    if arch == 'conv':
+        return ConvStack(norm, **kwargs)
+    if arch == 'aspp':
+        return ASPPNet(norm, **kwargs)
+    raise ValueError(arch)
+
+
+def copy_params(src, dst):
+    src_params = list(src.collect_params().values())
+    dst_params = list(dst.collect_params().values())
+    assert len(src_params) == len(dst_params)
+    for s, d in zip(src_params, dst_params):
+        d.set_data(s.data(s.list_ctx()[0]).copyto(mx.cpu(0)))
+
+
+@scenario
+def train_vs_single_device(arch='conv', sizes=(2, 2), steps=3, hybridize=False, optimizer='sgd',
+                           image=8, seed=0, compare=True, reference='plain', **arch_kwargs):
+    """Train with SyncBN on len(sizes) contexts and, from the same weights, the
+    reference on one context on the concatenated batch: nn.BatchNorm in float64
+    (``reference='float64'``), in float32 (``'plain'``), or SyncBatchNorm itself
+    (``'sync'``). Returns worst relative errors of losses, parameters and running
+    statistics over all steps."""
+    rng = np.random.RandomState(seed)
+    mx.random.seed(seed)
+    ctxs = contexts(len(sizes))
+    batch = int(sum(sizes))
+    opt_args = {'sgd': {'learning_rate': 0.1, 'momentum': 0.9, 'wd': 1e-4},
+                # epsilon: Adam turns noise-level gradients into full steps
+                'adam': {'learning_rate': 0.01, 'epsilon': 1e-3}}[optimizer]
+    ref = build(arch, 'sync' if reference == 'sync' else 'plain', **arch_kwargs)
+    ref_dtype = 'float64' if reference == 'float64' else 'float32'
+    ref.initialize(mx.init.Xavier(), ctx=mx.cpu(0))
+    net = build(arch, 'sync', **arch_kwargs)
+    net.initialize(ctx=ctxs)
+    x0 = mx.nd.array(rng.randn(batch, 3, image, image), dtype='float32')
+    ref(x0)
+    net(x0.as_in_context(ctxs[0]))
+    copy_params(ref, net)
+    ref.cast(ref_dtype)
+    if hybridize:
+        ref.hybridize(static_alloc=hybridize == 'static', static_shape=hybridize == 'static')
+        net.hybridize(static_alloc=hybridize == 'static', static_shape=hybridize == 'static')
+    loss_fn = gluon.loss.SoftmaxCrossEntropyLoss()
+    ref_trainer = gluon.Trainer(ref.collect_params(), optimizer, dict(opt_args))
+    trainer = gluon.Trainer(net.collect_params(), optimizer, dict(opt_args))
+    errs = {}
+
+    def note(name, actual, expected):
+        errs[name] = max(errs.get(name, 0.0), max_rel_err(actual, expected))
+
+    for _ in range(steps):
+        x = rng.randn(batch, 3, image, image).astype(np.float32)
+        label = rng.randint(0, 5, batch).astype(np.float32)
+        xs = [mx.nd.array(p, ctx=c) for p, c in zip(split_batch(x, sizes), ctxs)]
+        ls = [mx.nd.array(p, ctx=c) for p, c in zip(split_batch(label, sizes), ctxs)]
+        with autograd.record():
+            losses = [loss_fn(net(a), b) for a, b in zip(xs, ls)]
+        autograd.backward(losses)
+        trainer.step(batch)
+        loss = np.concatenate([l.asnumpy() for l in losses])
+        if not compare:
+            continue
+        with autograd.record():
+            ref_loss = loss_fn(ref(mx.nd.array(x, dtype=ref_dtype)),
+                               mx.nd.array(label, dtype=ref_dtype))
+        ref_loss.backward()
+        ref_trainer.step(batch)
+        mx.nd.waitall()
+        note('loss', loss, ref_loss.asnumpy())
+        for (name, p), rp in zip(net.collect_params().items(), ref.collect_params().values()):
+            kind = 'running' if 'running' in name else 'param'
+            for c in ctxs:
+                note(kind, p.data(c).asnumpy(), rp.data().asnumpy())
+                if VERBOSE:
+                    print(name, c, max_rel_err(p.data(c).asnumpy(), rp.data().asnumpy()),
+                          np.abs(rp.data().asnumpy()).max(), file=sys.stderr)
+    # replicas of every running statistic must be bit-identical
+    errs['replicas_identical'] = float(all(
+        all((p.data(c).asnumpy() == p.data(ctxs[0]).asnumpy()).all() for c in ctxs)
+        for name, p in net.collect_params().items() if 'running' in name))
+    return errs
+
+
+# ---------------------------------------------------------------- faults
+def _step(net, arrays):
+    """One training step's forward and backward; returns the outputs as NumPy."""
+    with autograd.record():
+        outs = [net(a) for a in arrays]
+    autograd.backward(outs)
+    return [o.asnumpy() for o in outs]
+
+
+def _capture(fn):
+    """Run ``fn``; return (exception text or None, its type name, seconds)."""
+    start = time.time()
+    try:
+        fn()
+        mx.nd.waitall()
+    except Exception as exc:  # pylint: disable=broad-except
+        return str(exc), type(exc).__name__, time.time() - start
+    return None, None, time.time() - start
+
+
+def _recovery_error(net, ctxs, rng, shape):
+    """Worst relative error of a full, correct step after a failure."""
+    x = rng.randn(*shape).astype(np.float32)
+    outs = _step(net, [mx.nd.array(p, ctx=c) for p, c in zip(split_batch(x, [1] * len(ctxs)), ctxs)])
+    y64 = batchnorm_float64(x, np.ones_like(x), np.ones(shape[1]), np.zeros(shape[1]))[0]
+    return max_rel_err(np.concatenate(outs), y64)
+
+
+def _fault_net(ctxs, hybridize, timeout, channels=3):
+    net = gluon.nn.HybridSequential()
+    net.add(SyncBatchNorm(in_channels=channels, timeout=timeout))
+    net.add(SyncBatchNorm(in_channels=channels, timeout=timeout))
+    net.initialize(ctx=ctxs)
+    if hybridize:
+        net.hybridize()
+    return net
+
+
+@scenario
+def missing_device(num_devices=3, hybridize=False, timeout_seconds=2.0, seed=0):
+    """A step where the last device gets no slice, then a normal step."""
+    rng = np.random.RandomState(seed)
+    ctxs = contexts(num_devices)
+    shape = (num_devices, 3, 4, 4)
+    net = _fault_net(ctxs, hybridize, timeout_seconds)
+    x = rng.randn(*shape).astype(np.float32)
+    short = [mx.nd.array(x[i:i + 1], ctx=c) for i, c in enumerate(ctxs[:-1])]
+    msg, kind, seconds = _capture(lambda: _step(net, short))
+    return {'message': msg, 'type': kind, 'seconds': seconds,
+            'recovered': _recovery_error(net, ctxs, rng, shape)}
+
+
+@scenario
+def bad_input_on_one_device(problem, num_devices=3, hybridize=False, timeout_seconds=60.0,
+                            seed=0):
+    """Device 1 gets a wrong input; the others must fail fast, then recover."""
+    rng = np.random.RandomState(seed)
+    ctxs = contexts(num_devices)
+    shape = (num_devices, 3, 4, 4)
+    net = _fault_net(ctxs, hybridize, timeout_seconds)
+    good = [mx.nd.array(rng.randn(1, 3, 4, 4), ctx=c) for c in ctxs]
+    bad = {'channels': lambda c: mx.nd.array(rng.randn(1, 4, 4, 4), ctx=c),
+           'rank': lambda c: mx.nd.array(rng.randn(1, 3, 4, 4, 2, 2), ctx=c),
+           'dtype': lambda c: mx.nd.array(rng.randn(1, 3, 4, 4), ctx=c, dtype='float64')}[problem]
+    arrays = [good[0], bad(ctxs[1])] + good[2:]
+    msg, kind, seconds = _capture(lambda: _step(net, arrays))
+    return {'message': msg, 'type': kind, 'seconds': seconds,
+            'recovered': _recovery_error(net, ctxs, rng, shape)}
+
+
+@scenario
+def user_code_raises(num_devices=3, hybridize=False, timeout_seconds=60.0, seed=0):
+    """Device 1's forward raises in user code inside autograd.record(): the call
+    already issued for device 0 must fail at once, and the next step recover."""
+    rng = np.random.RandomState(seed)
+    ctxs = contexts(num_devices)
+    shape = (num_devices, 3, 4, 4)
+    net = _fault_net(ctxs, hybridize, timeout_seconds)
+    arrays = [mx.nd.array(rng.randn(1, 3, 4, 4), ctx=c) for c in ctxs]
+
+    def step():
+        with autograd.record():
+            outs = []
+            for a in arrays:
+                if a.context == ctxs[1]:
+                    raise ValueError('user code failed on device 1')
+                outs.append(net(a))
+
+    msg, kind, _ = _capture(step)
+    start = time.time()
+    drained = _capture(mx.nd.waitall)
+    return {'message': msg, 'type': kind, 'drain_seconds': time.time() - start,
+            'drain_message': drained[0],
+            'recovered': _recovery_error(net, ctxs, rng, shape)}
+
+
+@scenario
+def misconfigured(problem, hybridize=False):
+    """Errors raised before any synchronization: the message and how fast."""
+    ctxs = contexts(2)
+    num_devices = 4 if problem == 'num_devices' else None
+    net = gluon.nn.HybridSequential()
+    net.add(SyncBatchNorm(in_channels=3, num_devices=num_devices, timeout=60))
+    net.initialize(ctx=ctxs)
+    if hybridize:
+        net.hybridize()
+    arrays = [mx.nd.ones((2, 3, 4, 4), ctx=c) for c in ctxs]
+    msg, kind, seconds = _capture(lambda: _step(net, arrays))
+    return {'message': msg, 'type': kind, 'seconds': seconds}
+
+
+# ---------------------------------------------------------------- integration
+@scenario
+def resnet18_converted(sizes=(2, 2), steps=2, hybridize=True, seed=0):
+    """model_zoo ResNet-18 converted with convert_model, trained a few steps on
+    len(sizes) contexts; running statistics must stay identical across devices."""
+    from mxnet.gluon.model_zoo import vision
+    from gluon_syncbn import convert_model
+    rng = np.random.RandomState(seed)
+    ctxs = contexts(len(sizes))
+    net = convert_model(vision.resnet18_v1(classes=10))
+    net.initialize(mx.init.Xavier(), ctx=ctxs)
+    if hybridize:
+        net.hybridize()
+    trainer = gluon.Trainer(net.collect_params(), 'sgd', {'learning_rate': 0.05, 'momentum': 0.9})
+    loss_fn = gluon.loss.SoftmaxCrossEntropyLoss()
+    losses = []
+    for _ in range(steps):
+        x = rng.randn(sum(sizes), 3, 32, 32).astype(np.float32)
+        y = rng.randint(0, 10, sum(sizes)).astype(np.float32)
+        xs = [mx.nd.array(p, ctx=c) for p, c in zip(split_batch(x, sizes), ctxs)]
+        ys = [mx.nd.array(p, ctx=c) for p, c in zip(split_batch(y, sizes), ctxs)]
+        with autograd.record():
+            ls = [loss_fn(net(a), b) for a, b in zip(xs, ys)]
+        autograd.backward(ls)
+        trainer.step(sum(sizes))
+        losses.append(float(sum(l.sum().asscalar() for l in ls)))
+    running = [p for n, p in net.collect_params().items() if 'running' in n]
+    return {'losses': losses, 'finite': float(np.isfinite(losses).all()),
+            'num_syncbn': sum(isinstance(b, SyncBatchNorm) for b in _blocks(net)),
+            'replicas_identical': float(all(
+                (p.data(c).asnumpy() == p.data(ctxs[0]).asnumpy()).all()
+                for p in running for c in ctxs))}
+
+
+def _blocks(block):
+    yield block
+    for child in block._children.values():
+        yield from _blocks(child)
+
+
+@scenario
+def same_prefix_networks(seed=0):
+    """Two independent nets with equal prefixes train in one process on 2
+    contexts, interleaved; each must equal its own float64 full-batch maths."""
+    rng = np.random.RandomState(seed)
+    ctxs = contexts(2)
+    nets = []
+    for _ in range(2):
+        net = gluon.nn.HybridSequential(prefix='model_')
+        with net.name_scope():
+            net.add(SyncBatchNorm(in_channels=3))
+        net.initialize(ctx=ctxs)
+        nets.append(net)
+    errs = []
+    for step in range(3):
+        xs = [rng.randn(4, 3, 4, 4).astype(np.float32) for _ in nets]
+        with autograd.record():
+            outs = [[net(mx.nd.array(p, ctx=c)) for p, c in zip(split_batch(x, [1, 3]), ctxs)]
+                    for net, x in zip(nets, xs)]
+        for x, out in zip(xs, outs):
+            y64 = batchnorm_float64(x, np.ones_like(x), np.ones(3), np.zeros(3))[0]
+            errs.append(max_rel_err(np.concatenate([o.asnumpy() for o in out]), y64))
+    return {'max_err': max(errs), 'same_names': float(
+        list(nets[0].collect_params()) == list(nets[1].collect_params()))}
+
+
+def run(name, kwargs):
+    start = time.time()
+    result = SCENARIOS[name](**kwargs)
+    mx.nd.waitall()
+    result.setdefault('seconds', time.time() - start)
+    return result
+
+
+def main():
+    """``NAME JSON`` runs one scenario; ``--batch JSON_LIST`` runs ``[[name, kwargs], ...]``
+    in order, printing ``RESULT <index> {...}`` after each."""
+    if sys.argv[1] == '--batch':
+        for i, (name, kwargs) in enumerate(json.loads(sys.argv[2])):
+            print('RESULT %d %s' % (i, json.dumps(run(name, kwargs))))
+            sys.stdout.flush()
+        return
+    kwargs = json.loads(sys.argv[2]) if len(sys.argv) > 2 else {}
+    print('RESULT ' + json.dumps(run(sys.argv[1], kwargs)))
+    sys.stdout.flush()
+
+
+if __name__ == '__main__':
+    main()

@@ -1,0 +1,130 @@
+"""The call-order barrier with plain threads (no MXNet involved)."""
+import threading
+import time
+
+import pytest
+
+from gluon_syncbn.barrier import CallOrderBarrier
+from gluon_syncbn.errors import SyncBatchNormError, SyncBatchNormTimeout
+from gluon_syncbn.registry import Session
+
+
+def summing_barrier(n, timeout=5.0, session=None):
+    return CallOrderBarrier('bn', ['dev%d' % i for i in range(n)],
+                            lambda key, values: sum(values.values()), timeout,
+                            hint='HINT', session=session)
+
+
+def run_devices(fns, deadline=10.0):
+    """Run one function per device in threads; return results or exceptions."""
+    out = [None] * len(fns)
+
+    def wrap(i):
+        try:
+            out[i] = fns[i]()
+        except Exception as exc:  # pylint: disable=broad-except
+            out[i] = exc
+
+    threads = [threading.Thread(target=wrap, args=(i,), daemon=True) for i in range(len(fns))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(deadline)
+        assert not t.is_alive(), 'a device thread hung'
+    return out
+
+
+def forward(barrier, device, value, token=None):
+    key = barrier.next_forward_key(device, token)
+    return key, barrier.exchange(key, device, value, token=token)
+
+
+def test_kth_calls_pair_up_whatever_the_arrival_order():
+    barrier = summing_barrier(3)
+
+    def device(i):
+        results = []
+        for k in range(5):
+            time.sleep(0.002 * ((i + k) % 3))  # devices arrive in different orders
+            results.append(forward(barrier, i, 10 ** i * (k + 1))[1])
+        return results
+
+    out = run_devices([lambda i=i: device(i) for i in range(3)])
+    assert out == [[111 * (k + 1) for k in range(5)]] * 3
+
+
+def test_backward_pairs_by_forward_key_even_in_reverse_order():
+    # As in MXNet, every backward call runs on its own thread; device 1 issues
+    # them in the reverse order of device 0.
+    barrier = summing_barrier(2)
+    keys = run_devices([lambda i=i: [forward(barrier, i, 0)[0] for _ in range(3)]
+                        for i in range(2)])
+    assert keys[0] == keys[1]
+    calls = []
+    for i in range(2):
+        order = keys[i] if i == 0 else keys[i][::-1]
+        calls += [lambda i=i, key=key: (key, barrier.exchange(('bwd',) + key[1:], i,
+                                                               (i + 1) * (key[2] + 1)))
+                  for key in order]
+    out = dict()
+    for key, total in run_devices(calls):
+        out.setdefault(key, set()).add(total)
+    assert {k[2]: v for k, v in out.items()} == {0: {3}, 1: {6}, 2: {9}}
+
+
+def test_timeout_names_the_missing_device_and_fails_in_time():
+    barrier = summing_barrier(3, timeout=0.3)
+    start = time.monotonic()
+    out = run_devices([lambda: forward(barrier, 0, 1), lambda: forward(barrier, 1, 1)])
+    assert time.monotonic() - start < 2.0
+    for exc in out:
+        assert isinstance(exc, SyncBatchNormTimeout)
+        assert 'missing: dev2' in str(exc) and 'HINT' in str(exc) and '2 of 3' in str(exc)
+
+
+def test_error_arrival_fails_the_others_at_once():
+    barrier = summing_barrier(3, timeout=30.0)
+    boom = SyncBatchNormError('device 1 got bad input')
+
+    def bad():
+        time.sleep(0.1)
+        key = barrier.next_forward_key(1)
+        return barrier.exchange(key, 1, error=boom)
+
+    start = time.monotonic()
+    out = run_devices([lambda: forward(barrier, 0, 1), bad])
+    assert time.monotonic() - start < 5.0
+    assert out[0] is boom and out[1] is boom
+    # the third device arrives late and fails at once too
+    start = time.monotonic()
+    with pytest.raises(SyncBatchNormError, match='bad input'):
+        forward(barrier, 2, 1)
+    assert time.monotonic() - start < 1.0
+
+
+def test_combine_error_reaches_every_device():
+    def combine(key, values):
+        raise SyncBatchNormError('channels disagree')
+    barrier = CallOrderBarrier('bn', ['a', 'b'], combine, 5.0)
+    out = run_devices([lambda: forward(barrier, 0, 1), lambda: forward(barrier, 1, 2)])
+    assert all(isinstance(e, SyncBatchNormError) and 'disagree' in str(e) for e in out)
+
+
+def test_abort_fails_stale_calls_and_the_next_step_pairs_from_zero():
+    session = Session()
+    barrier = summing_barrier(2, timeout=0.3, session=session)
+    old = session.token()
+    # step 1: device 1 never comes
+    with pytest.raises(SyncBatchNormTimeout):
+        forward(barrier, 0, 1, old)
+    assert session.token() != old
+    # a call issued in the aborted step fails at once, without arriving
+    start = time.monotonic()
+    with pytest.raises(SyncBatchNormError, match='step that failed earlier'):
+        forward(barrier, 1, 1, old)
+    assert time.monotonic() - start < 0.2
+    # step 2 pairs up from call #0 on both devices
+    new = session.token()
+    out = run_devices([lambda: forward(barrier, 0, 1, new), lambda: forward(barrier, 1, 2, new)])
+    assert [o[1] for o in out] == [3, 3]
+    assert out[0][0] == ('fwd', new, 0)

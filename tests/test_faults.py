@@ -1,0 +1,61 @@
+"""Bad input and faults: a clear error naming the layer and the fix, within a
+bound, and the next training step is exact again. Each case runs in its own
+subprocess with a hard deadline."""
+import pytest
+
+from tests.conftest import run_scenario
+
+RECOVERED = 1e-5  # relative error of the next, correct step vs float64 maths
+
+
+@pytest.mark.parametrize('hybridize', [False, True])
+def test_missing_device_times_out_with_last_batch_advice(hybridize):
+    r = run_scenario('missing_device', timeout=120, hybridize=hybridize, timeout_seconds=2.0)
+    assert r['message'] is not None
+    assert "SyncBatchNorm 'syncbatchnorm0'" in r['message']
+    assert 'missing: cpu(2)' in r['message']
+    assert "last_batch='discard'" in r['message']
+    assert 1.5 < r['seconds'] < 30
+    assert r['recovered'] < RECOVERED
+
+
+@pytest.mark.parametrize('problem,expected', [
+    ('channels', 'channels'),
+    ('rank', '2 to 5 dimensions'),
+    ('dtype', 'disagree on the input dtype'),
+])
+@pytest.mark.parametrize('hybridize', [False, True])
+def test_bad_input_on_one_device_fails_fast_and_recovers(problem, expected, hybridize):
+    # timeout 60 s: failing in a few seconds proves the others did not wait for it
+    r = run_scenario('bad_input_on_one_device', timeout=120, problem=problem,
+                     hybridize=hybridize, timeout_seconds=60.0)
+    assert r['message'] is not None and expected in r['message'], r['message']
+    assert 'syncbatchnorm0' in r['message']
+    assert r['seconds'] < 10
+    assert r['recovered'] < RECOVERED
+
+
+@pytest.mark.parametrize('hybridize', [False, True])
+def test_exception_in_user_code_releases_issued_calls(hybridize):
+    r = run_scenario('user_code_raises', timeout=120, hybridize=hybridize, timeout_seconds=60.0)
+    assert r['type'] == 'ValueError'
+    assert r['drain_seconds'] < 10      # not the 60 s timeout
+    assert 'abandoned' in r['drain_message']
+    assert r['recovered'] < RECOVERED
+
+
+@pytest.mark.parametrize('hybridize', [False, True])
+def test_naive_engine_is_refused(hybridize):
+    r = run_scenario('misconfigured', timeout=120, env={'MXNET_ENGINE_TYPE': 'NaiveEngine'},
+                     problem='naive', hybridize=hybridize)
+    assert r['type'] == 'SyncBatchNormError'
+    assert 'NaiveEngine' in r['message'] and 'Unset it' in r['message']
+    assert r['seconds'] < 5
+
+
+@pytest.mark.parametrize('hybridize', [False, True])
+def test_num_devices_larger_than_contexts_is_refused(hybridize):
+    r = run_scenario('misconfigured', timeout=120, problem='num_devices', hybridize=hybridize)
+    assert r['type'] == 'SyncBatchNormError'
+    assert 'num_devices=4' in r['message'] and '2 context(s)' in r['message']
+    assert r['seconds'] < 5

@@ -1,0 +1,65 @@
+"""SyncBatchNorm on N CPU contexts equals one BatchNorm on the concatenated batch.
+
+Each case compares output, input gradient, gamma/beta gradients (summed over
+devices) and running statistics after 3 steps with float64 NumPy maths on the
+same input, and (float32, no offset) with gluon.nn.BatchNorm on one context.
+All cases run in one subprocess with a hard deadline (see conftest).
+"""
+import pytest
+
+from tests.conftest import result_of, run_batch
+
+F32 = 1e-5          # relative, as the issue asks
+F16_OUT = 2e-3      # float16 output/input-gradient rounding (eps 9.8e-4)
+
+CASES = {
+    # id: kwargs of scenarios.layer_vs_reference
+    'N1': dict(shape=[4, 3, 5, 5], sizes=[4]),
+    'N2-even': dict(shape=[6, 3, 4, 5], sizes=[3, 3]),
+    'N3-7-uneven': dict(shape=[7, 3, 4, 5], sizes=[3, 2, 2]),
+    'N3-one-sample': dict(shape=[3, 4, 6, 6], sizes=[1, 1, 1]),
+    'N4-2d': dict(shape=[8, 6], sizes=[2, 2, 2, 2]),
+    'N4-uneven-3d': dict(shape=[10, 5, 7], sizes=[1, 2, 3, 4]),
+    'N3-5d': dict(shape=[7, 4, 3, 2, 2], sizes=[1, 2, 4]),
+    'N2-nhwc': dict(shape=[6, 5, 4, 3], sizes=[3, 3], axis=-1),
+    'N3-nhwc-uneven': dict(shape=[7, 4, 4, 6], sizes=[4, 2, 1], axis=3),
+    'N2-3d-channels-last': dict(shape=[5, 4, 6], sizes=[2, 3], axis=-1),
+    'N2-hybrid': dict(shape=[6, 3, 4, 5], sizes=[2, 4], hybridize=True),
+    'N3-hybrid-static': dict(shape=[7, 3, 4, 5], sizes=[3, 2, 2], hybridize='static'),
+    'N4-hybrid-nhwc': dict(shape=[9, 4, 3, 5], sizes=[3, 2, 2, 2], axis=-1, hybridize=True),
+    'N2-offset-1e3': dict(shape=[6, 3, 4, 5], sizes=[1, 5], offset=1e3),
+    'N3-offset-1e4': dict(shape=[7, 3, 4, 5], sizes=[3, 2, 2], offset=1e4),
+    'N2-offset-1e4-hybrid': dict(shape=[6, 3, 4, 5], sizes=[2, 4], offset=1e4, hybridize=True),
+    'N2-momentum-0.5': dict(shape=[6, 3, 4, 5], sizes=[2, 4], momentum=0.5),
+    'N2-float16': dict(shape=[6, 3, 4, 5], sizes=[2, 4], dtype='float16'),
+    'N3-float16-hybrid': dict(shape=[7, 3, 4, 5], sizes=[3, 2, 2], dtype='float16',
+                              hybridize=True),
+    'N3-float64': dict(shape=[7, 3, 4, 5], sizes=[3, 2, 2], dtype='float64'),
+    'N2-float64-hybrid': dict(shape=[6, 3, 4, 5], sizes=[2, 4], dtype='float64',
+                              hybridize=True),
+}
+IDS = list(CASES)
+
+
+@pytest.fixture(scope='module')
+def results():
+    return run_batch([('layer_vs_reference', CASES[i]) for i in IDS], timeout=600)
+
+
+@pytest.mark.parametrize('case', IDS)
+def test_matches_full_batch_reference(results, case):
+    errs = result_of(results, IDS.index(case))
+    half = CASES[case].get('dtype') == 'float16'
+    for name in ('y', 'dx'):
+        assert errs[name] < (F16_OUT if half else F32), (name, errs)
+    for name in ('dgamma', 'dbeta', 'running_mean', 'running_var'):
+        assert errs[name] < F32, (name, errs)
+    for name in [k for k in errs if k.endswith('_vs_nn')]:
+        assert errs[name] < F32, (name, errs)
+    assert errs['replicas_identical'] == 1.0
+    assert errs['out_dtype_ok'] == 1.0
+
+
+def test_float32_cases_were_compared_with_nn_batchnorm(results):
+    compared = [i for i, c in enumerate(IDS) if 'y_vs_nn' in result_of(results, i)]
+    assert len(compared) >= 10
