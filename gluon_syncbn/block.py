@@ -109,7 +109,8 @@ class SyncBatchNorm(HybridBlock):
         self._group = None
         self._input_dtype = 'float32'
         self._static_shape = False
-        weakref.finalize(self, registry.unregister, self._group_id)
+        # Not at interpreter exit: the exit hook still needs the group then.
+        weakref.finalize(self, registry.unregister, self._group_id).atexit = False
         if in_channels != 0:
             self.in_channels = in_channels
         self.gamma = self.params.get('gamma', grad_req='write' if scale else 'null',
@@ -209,8 +210,14 @@ class SyncBatchNorm(HybridBlock):
             return F.BatchNorm(x, gamma, beta, running_mean, running_var, name='fwd',
                                **dict(self._kwargs, use_global_stats=True))
         group = self._sync_group()
+        dtype = np.dtype(x.dtype if imperative else self._input_dtype)
+        if len(group.devices) == 1 and dtype == np.float32:
+            # Nothing to synchronize: be nn.BatchNorm, kernel and all. (Its CPU
+            # kernel mishandles float64 under MKL-DNN; float16 needs our casts.)
+            return F.BatchNorm(x, gamma, beta, running_mean, running_var, name='fwd',
+                               **self._kwargs)
         axis = self._kwargs['axis']
-        half = np.dtype(x.dtype if imperative else self._input_dtype) == np.float16
+        half = dtype == np.float16
         # Statistics in at least float32: float16 input is widened, then narrowed back.
         xs = F.Cast(x, dtype='float32') if half else x
         m1 = F.mean(xs, axis=axis, exclude=True, keepdims=True)

@@ -6,10 +6,15 @@
   half-way (say device 2's forward raised in user code): the SyncBatchNorm calls
   already issued for devices 0 and 1 would wait for partners that never come, so
   we abort the step and they fail at once instead of at the timeout.
+* At interpreter exit MXNet stops running queued operators, so a call waiting
+  for a partner still in the queue would sit out its timeout; an ``atexit``
+  handler (registered after MXNet's, so it runs first) aborts the step.
 """
+import atexit
+
 from .errors import SyncBatchNormError, take_failures
 
-__all__ = ['install_error_text_hook', 'install_record_abort_hook']
+__all__ = ['install_error_text_hook', 'install_record_abort_hook', 'install_exit_abort_hook']
 
 _CUSTOM_OP_MARKERS = ('kCustomOpForward', 'kCustomOpBackward', 'kCustomOpProp')
 
@@ -46,3 +51,11 @@ def install_record_abort_hook(scope_class, session):
 
     scope_class.__exit__ = __exit__
     scope_class._gluon_syncbn_hooked = True
+
+
+def install_exit_abort_hook(session):
+    """At interpreter exit, fail every waiting call instead of waiting for the timeout."""
+    def abort_at_exit():
+        if session.active():
+            session.abort_all(SyncBatchNormError('the Python interpreter is exiting'))
+    atexit.register(abort_at_exit)

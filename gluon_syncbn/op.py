@@ -2,9 +2,10 @@
 
 It sees only per-channel vectors: the local moments computed by MXNet's native
 reductions, gamma/beta and the running statistics. It never touches the
-activations, so MKL-DNN's blocked layouts never reach Python, and it issues no
-MXNet operator of its own (reading and writing its small arrays are direct
-copies), so nothing it does can queue behind the engine work that waits for it.
+activations, so MKL-DNN's blocked layouts never reach Python. Reading and
+writing its small arrays are direct copies, and the only operators it issues
+(running-statistics copies in static-shape graphs, see ``_update_running``) are
+not waited for, so nothing it does can queue behind work that waits for it.
 
 Data flow of one training call on device ``d``::
 

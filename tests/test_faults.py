@@ -1,9 +1,14 @@
 """Bad input and faults: a clear error naming the layer and the fix, within a
 bound, and the next training step is exact again. Each case runs in its own
 subprocess with a hard deadline."""
+import os
+import subprocess
+import sys
+import time
+
 import pytest
 
-from tests.conftest import run_scenario
+from tests.conftest import ROOT, run_scenario
 
 RECOVERED = 1e-5  # relative error of the next, correct step vs float64 maths
 
@@ -59,3 +64,18 @@ def test_num_devices_larger_than_contexts_is_refused(hybridize):
     assert r['type'] == 'SyncBatchNormError'
     assert 'num_devices=4' in r['message'] and '2 context(s)' in r['message']
     assert r['seconds'] < 5
+
+
+def test_interpreter_exit_does_not_wait_for_a_missing_partner():
+    # device 1 never calls; the script exits while device 0's call waits
+    code = ('import time, gluon_syncbn, mxnet as mx\n'
+            'from mxnet import autograd\n'
+            'bn = gluon_syncbn.SyncBatchNorm(in_channels=3, timeout=100)\n'
+            'bn.initialize(ctx=[mx.cpu(0), mx.cpu(1)])\n'
+            'with autograd.record():\n'
+            '    bn(mx.nd.ones((2, 3, 4, 4), ctx=mx.cpu(0)))\n'
+            'time.sleep(0.5)\n')
+    start = time.time()
+    subprocess.run([sys.executable, '-c', code], capture_output=True, timeout=90, cwd=ROOT,
+                   env=dict(os.environ, PYTHONPATH=ROOT))
+    assert time.time() - start < 30   # not the layer's 100 s timeout

@@ -5,10 +5,11 @@ References, same initial weights, same batches, several Trainer steps:
 
 * the network with nn.BatchNorm in float64 on one context (primary): losses,
   parameters and running statistics to 1e-5 relative (1e-4 for 20 layers);
-* SyncBatchNorm itself on one context: isolates synchronization;
 * gluon.nn.BatchNorm in float32 (MKL-DNN on, the shipped default): the drop-in
-  promise. Its kernel rounds differently from ours even on one context, so
-  parameters must be no further from it than one-context SyncBatchNorm is.
+  promise. Its kernel has float32 rounding of its own, so parameters must agree
+  within what the triangle inequality allows: our distance from float64 plus
+  nn.BatchNorm's distance from float64 (measured in the same run: SyncBatchNorm
+  on one context runs nn.BatchNorm's own kernel).
 
 Measured while writing this: with some random initializations a deep net has
 near-constant channels, and nn.BatchNorm's own float32 CPU kernel then misses
@@ -56,8 +57,8 @@ def _batch(references, env=None):
     for case in IDS:
         for reference in references:
             kwargs = dict(CASES[case], reference=reference)
-            if reference == 'one-context':
-                kwargs.update(reference='plain', sizes=[sum(kwargs['sizes'])])
+            if reference == 'one-context':  # = nn.BatchNorm float32, vs float64
+                kwargs.update(reference='float64', sizes=[sum(kwargs['sizes'])])
             cases.append(('train_vs_single_device', kwargs))
     return run_batch(cases, timeout=900, env=env)
 
@@ -66,17 +67,18 @@ def check(results, case, references):
     i = IDS.index(case)
     got = {ref: result_of(results, len(references) * i + k) for k, ref in enumerate(references)}
     tol = tolerance(case)
-    for ref in [r for r in ('float64', 'sync') if r in got]:
+    for ref in ('float64',):
         for name in ('loss', 'param', 'running'):
             assert got[ref][name] < tol, (ref, name, got[ref])
         assert got[ref]['replicas_identical'] == 1.0
     if 'plain' in got:
         for name in ('loss', 'running'):
             assert got['plain'][name] < tol, ('nn.BatchNorm float32', name, got['plain'])
-        assert got['plain']['param'] <= max(tol, 2 * got['one-context']['param']), got
+        bound = 1.1 * (got['float64']['param'] + got['one-context']['param'])
+        assert got['plain']['param'] <= max(tol, bound), got
 
 
-WITH_MKLDNN = ('float64', 'sync', 'plain', 'one-context')
+WITH_MKLDNN = ('float64', 'plain', 'one-context')
 # Without MKL-DNN the one-context float32 references are themselves the noisy
 # side on the 20-layer nets (see the module docstring): float64 decides.
 WITHOUT_MKLDNN = ('float64',)

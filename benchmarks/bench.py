@@ -1,0 +1,288 @@
+"""Training-step time of SyncBatchNorm vs nn.BatchNorm and MXNet's contrib SyncBatchNorm.
+
+Each configuration (net, number of CPU contexts, imperative/hybridized) runs in
+its own subprocess with a deadline; inside it the variants take turns step by
+step, so they share the same machine noise, and we report medians and ratios
+to plain nn.BatchNorm measured in the same run. MXNet's contrib layer hangs on
+4+ CPU contexts in a Trainer step; there it is only probed, in a separate
+process with a deadline.
+
+    python benchmarks/bench.py                 # full table -> benchmarks/results.{md,json}
+    python benchmarks/bench.py --quick         # fewer configurations and steps
+"""
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+
+# ----------------------------------------------------------------- worker side
+def build(arch, norm, n):
+    import mxnet as mx  # noqa: F401
+    from mxnet import gluon
+    from gluon_syncbn import SyncBatchNorm
+
+    def bn():
+        if norm == 'plain':
+            return gluon.nn.BatchNorm()
+        if norm == 'contrib':
+            return gluon.contrib.nn.SyncBatchNorm(num_devices=n)
+        return SyncBatchNorm()
+
+    net = gluon.nn.HybridSequential()
+    if arch == 'small':   # 4 x (conv, BN, relu), 16-64 channels
+        for width in (16, 32, 64, 64):
+            net.add(gluon.nn.Conv2D(width, 3, padding=1, use_bias=False), bn(),
+                    gluon.nn.Activation('relu'))
+    else:                 # ResNet-18-like: stem + 4 stages of 2 basic blocks
+        net.add(gluon.nn.Conv2D(32, 3, padding=1, use_bias=False), bn(), gluon.nn.Activation('relu'))
+        for width, stride in ((32, 1), (64, 2), (128, 2), (256, 2)):
+            for i in range(2):
+                net.add(ResBlock(width, stride if i == 0 else 1, bn))
+    net.add(gluon.nn.GlobalAvgPool2D(), gluon.nn.Dense(10))
+    return net
+
+
+def ResBlock(width, stride, bn):
+    from mxnet import gluon
+
+    class Block(gluon.HybridBlock):
+        def __init__(self):
+            super(Block, self).__init__()
+            with self.name_scope():
+                self.body = gluon.nn.HybridSequential()
+                self.body.add(gluon.nn.Conv2D(width, 3, stride, 1, use_bias=False), bn(),
+                              gluon.nn.Activation('relu'),
+                              gluon.nn.Conv2D(width, 3, 1, 1, use_bias=False), bn())
+                self.down = gluon.nn.HybridSequential()
+                self.down.add(gluon.nn.Conv2D(width, 1, stride, use_bias=False), bn())
+
+        def hybrid_forward(self, F, x):
+            return F.relu(self.body(x) + self.down(x))
+    return Block()
+
+
+def worker(cfg):
+    import numpy as np
+    import gluon_syncbn  # noqa: F401
+    import mxnet as mx
+    from mxnet import autograd, gluon
+    import psutil
+
+    n, arch, hybrid = cfg['n'], cfg['arch'], cfg['hybridize']
+    ctxs = [mx.cpu(i) for i in range(n)]
+    size = 32 if arch == 'small' else 64
+    per_device = cfg.get('per_device', 8)
+    rng = np.random.RandomState(0)
+    steps = {}
+    for norm in cfg['variants']:
+        net = build(arch, norm, n)
+        net.initialize(mx.init.Xavier(), ctx=ctxs)
+        if hybrid:
+            net.hybridize(static_alloc=True)
+        trainer = gluon.Trainer(net.collect_params(), 'sgd', {'learning_rate': 0.01, 'momentum': 0.9})
+        loss_fn = gluon.loss.SoftmaxCrossEntropyLoss()
+        xs = [mx.nd.array(rng.randn(per_device, 3, size, size), ctx=c) for c in ctxs]
+        ys = [mx.nd.array(rng.randint(0, 10, per_device), ctx=c) for c in ctxs]
+
+        def step(net=net, trainer=trainer, loss_fn=loss_fn, xs=xs, ys=ys):
+            with autograd.record():
+                losses = [loss_fn(net(x), y) for x, y in zip(xs, ys)]
+            autograd.backward(losses)
+            trainer.step(per_device * n)
+            mx.nd.waitall()
+        steps[norm] = step
+    times = {norm: [] for norm in steps}
+    for i in range(cfg['warmup'] + cfg['steps']):
+        for norm, step in steps.items():   # interleaved: same noise for all
+            t = time.perf_counter()
+            step()
+            if i >= cfg['warmup']:
+                times[norm].append(time.perf_counter() - t)
+    return {'times': times, 'rss_mb': psutil.Process().memory_info().rss / 2 ** 20}
+
+
+def overhead_worker(cfg):
+    """Fixed cost per layer call (forward+backward) on a tiny tensor: each
+    measured step calls the layer once on each of 2 CPU contexts."""
+    import numpy as np
+    import gluon_syncbn  # noqa: F401
+    import mxnet as mx
+    from mxnet import autograd, gluon
+    from gluon_syncbn import SyncBatchNorm
+
+    class Nop(mx.operator.CustomOp):
+        def forward(self, is_train, req, in_data, out_data, aux):
+            self.assign(out_data[0], req[0], in_data[0])
+
+        def backward(self, req, out_grad, in_data, out_data, in_grad, aux):
+            self.assign(in_grad[0], req[0], out_grad[0])
+
+    @mx.operator.register('bench_nop')
+    class NopProp(mx.operator.CustomOpProp):
+        def __init__(self):
+            super(NopProp, self).__init__(need_top_grad=True)
+
+        def infer_shape(self, s):
+            return s, [s[0]], []
+
+        def create_operator(self, ctx, shapes, dtypes):
+            return Nop()
+
+    ctxs = [mx.cpu(0), mx.cpu(1)]
+    xs = [mx.nd.array(np.random.randn(2, 4, 2, 2), ctx=c) for c in ctxs]
+    for x in xs:
+        x.attach_grad()
+    layers = {'nn.BatchNorm': gluon.nn.BatchNorm(in_channels=4),
+              'SyncBatchNorm': SyncBatchNorm(in_channels=4),
+              'contrib SyncBatchNorm': gluon.contrib.nn.SyncBatchNorm(in_channels=4,
+                                                                      num_devices=2)}
+    for layer in layers.values():
+        layer.initialize(ctx=ctxs)
+    calls = {name: (lambda x, layer=layer: layer(x)) for name, layer in layers.items()}
+    calls['do-nothing custom op'] = lambda x: mx.nd.Custom(x, op_type='bench_nop')
+    times = {name: [] for name in calls}
+    for i in range(cfg['steps'] + 20):
+        for name, call in calls.items():
+            t = time.perf_counter()
+            with autograd.record():
+                ys = [call(x) for x in xs]
+            autograd.backward(ys)
+            mx.nd.waitall()
+            if i >= 20:
+                times[name].append((time.perf_counter() - t) / len(xs))
+    return {'times': times}
+
+
+# ----------------------------------------------------------------- driver side
+def run_worker(kind, cfg, timeout):
+    code = ('import json, sys; sys.path.insert(0, %r); sys.path.insert(0, %r); import bench; '
+            'print("RESULT " + json.dumps(bench.%s(json.loads(sys.argv[1]))))'
+            % (ROOT, HERE, kind))
+    try:
+        out = subprocess.run([sys.executable, '-c', code, json.dumps(cfg)], capture_output=True,
+                             text=True, timeout=timeout, cwd=HERE)
+    except subprocess.TimeoutExpired:
+        return 'hang'
+    for line in out.stdout.splitlines():
+        if line.startswith('RESULT '):
+            return json.loads(line[7:])
+    return 'error: ' + (out.stderr.strip().splitlines() or ['?'])[-1][:200]
+
+
+def median(xs):
+    xs = sorted(xs)
+    return xs[len(xs) // 2]
+
+
+def spread(xs):
+    xs = sorted(xs)
+    return xs[(3 * len(xs)) // 4] - xs[len(xs) // 4]
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument('--quick', action='store_true')
+    parser.add_argument('--steps', type=int, default=None)
+    parser.add_argument('--out', default=os.path.join(HERE, 'results'))
+    parser.add_argument('--overhead-only', action='store_true',
+                        help='re-measure the fixed cost into an existing --out')
+    args = parser.parse_args()
+    if args.overhead_only:
+        return overhead_only(args.out)
+    steps = args.steps or (10 if args.quick else 30)
+    configs = []
+    for n in ([2, 4] if args.quick else [1, 2, 3, 4, 8]):
+        for hybrid in (False, True):
+            configs.append(dict(arch='small', n=n, hybridize=hybrid))
+    if not args.quick:  # the larger net: seconds per step on 2 cores, so fewer cases
+        configs += [dict(arch='resnet', n=n, hybridize=True) for n in (2, 4)]
+    rows, raw = [], {'date': time.strftime('%Y-%m-%d'), 'machine': platform.processor() or
+                     platform.machine(), 'cpus': os.cpu_count(), 'configs': []}
+    for cfg in configs:
+        contrib_ok = cfg['n'] <= 3
+        variants = ['plain', 'ours'] + (['contrib'] if contrib_ok else [])
+        wcfg = dict(cfg, variants=variants, steps=steps if cfg['arch'] == 'small' else steps // 2,
+                    warmup=3)
+        res = run_worker('worker', wcfg, timeout=1200)
+        entry = dict(cfg, result=res)
+        if not contrib_ok:
+            probe = run_worker('worker', dict(cfg, variants=['contrib'], steps=2, warmup=1), 90)
+            entry['contrib_probe'] = probe if isinstance(probe, str) else 'ran'
+        raw['configs'].append(entry)
+        if isinstance(res, str):
+            rows.append((cfg, res))
+            print(cfg, res, flush=True)
+            continue
+        t = res['times']
+        base = median(t['plain'])
+        row = {
+            'plain_ms': 1e3 * base, 'ours_ms': 1e3 * median(t['ours']),
+            'ours_x': median(t['ours']) / base, 'ours_spread_ms': 1e3 * spread(t['ours']),
+            'contrib_x': (median(t['contrib']) / base) if 'contrib' in t else None,
+            'contrib_note': entry.get('contrib_probe'), 'rss_mb': res['rss_mb']}
+        rows.append((cfg, row))
+        print(cfg, {k: (round(v, 2) if isinstance(v, float) else v) for k, v in row.items()},
+              flush=True)
+    over = run_worker('overhead_worker', {'steps': 200}, timeout=600)
+    raw['overhead'] = over
+    write(args.out, rows, over, raw)
+
+
+def overhead_only(out):
+    """Re-measure just the fixed cost and splice it into an existing results file."""
+    raw = json.load(open(out + '.json'))
+    raw['overhead'] = run_worker('overhead_worker', {'steps': 200}, timeout=600)
+    rows = []
+    for entry in raw['configs']:
+        res = entry['result']
+        cfg = {k: entry[k] for k in ('arch', 'n', 'hybridize')}
+        if isinstance(res, str):
+            rows.append((cfg, res))
+            continue
+        t = res['times']
+        base = median(t['plain'])
+        rows.append((cfg, {'plain_ms': 1e3 * base, 'ours_ms': 1e3 * median(t['ours']),
+                           'ours_x': median(t['ours']) / base,
+                           'ours_spread_ms': 1e3 * spread(t['ours']),
+                           'contrib_x': (median(t['contrib']) / base) if 'contrib' in t else None,
+                           'contrib_note': entry.get('contrib_probe'), 'rss_mb': res['rss_mb']}))
+    write(out, rows, raw['overhead'], raw)
+
+
+def write(out, rows, over, raw):
+    lines = ['Measured %s on %s (%s CPUs), MXNet 1.9.1 CPU wheel, CPU contexts. Step = '
+             'forward + backward + Trainer.step + waitall; medians of interleaved steps; '
+             'ratios are to plain nn.BatchNorm (no synchronization) in the same process.'
+             % (raw['date'], raw['machine'], raw['cpus']), '',
+             '| net | N | mode | nn.BatchNorm ms | ours ms (IQR) | ours / BN | contrib / BN | RSS MB |',
+             '|---|---|---|---|---|---|---|---|']
+    for cfg, row in rows:
+        mode = 'hybrid' if cfg['hybridize'] else 'imperative'
+        if isinstance(row, str):
+            lines.append('| %s | %d | %s | %s |  |  |  |  |' % (cfg['arch'], cfg['n'], mode, row))
+            continue
+        contrib = ('%.2fx' % row['contrib_x']) if row['contrib_x'] else (
+            'hangs' if row['contrib_note'] == 'hang' else str(row['contrib_note']))
+        lines.append('| %s | %d | %s | %.1f | %.1f (%.1f) | %.2fx | %s | %.0f |' % (
+            cfg['arch'], cfg['n'], mode, row['plain_ms'], row['ours_ms'], row['ours_spread_ms'],
+            row['ours_x'], contrib, row['rss_mb']))
+    if isinstance(over, dict):
+        lines += ['', 'Fixed cost per layer call (forward + backward) on a (2, 4, 2, 2) input, '
+                  'calls on 2 CPU contexts per step (median of 200):', '', '| call | ms |',
+                  '|---|---|']
+        for name, ts in over['times'].items():
+            lines.append('| %s | %.3f |' % (name, 1e3 * median(ts)))
+    open(out + '.md', 'w').write('\n'.join(lines) + '\n')
+    json.dump(raw, open(out + '.json', 'w'), indent=1)
+    print('\n'.join(lines))
+
+
+if __name__ == '__main__':
+    main()
