@@ -160,6 +160,36 @@ def overhead_worker(cfg):
     return {'times': times}
 
 
+def memory_worker(cfg):
+    """Resident memory of a SyncBatchNorm training loop at checkpoints (steps)."""
+    import numpy as np
+    import gluon_syncbn  # noqa: F401
+    import mxnet as mx
+    from mxnet import autograd, gluon
+    import psutil
+
+    ctxs = [mx.cpu(i) for i in range(cfg['n'])]
+    net = build('small', 'ours', cfg['n'])
+    net.initialize(mx.init.Xavier(), ctx=ctxs)
+    if cfg['hybridize']:
+        net.hybridize(static_alloc=True)
+    trainer = gluon.Trainer(net.collect_params(), 'sgd', {'learning_rate': 0.01, 'momentum': 0.9})
+    loss_fn = gluon.loss.SoftmaxCrossEntropyLoss()
+    rng = np.random.RandomState(0)
+    rss = {}
+    for step in range(1, cfg['steps'] + 1):
+        xs = [mx.nd.array(rng.randn(2, 3, 16, 16), ctx=c) for c in ctxs]
+        ys = [mx.nd.array(rng.randint(0, 10, 2), ctx=c) for c in ctxs]
+        with autograd.record():
+            losses = [loss_fn(net(x), y) for x, y in zip(xs, ys)]
+        autograd.backward(losses)
+        trainer.step(2 * len(ctxs))
+        mx.nd.waitall()
+        if step in cfg['checkpoints']:
+            rss[step] = psutil.Process().memory_info().rss / 2 ** 20
+    return {'rss_mb': rss}
+
+
 # ----------------------------------------------------------------- driver side
 def run_worker(kind, cfg, timeout):
     code = ('import json, sys; sys.path.insert(0, %r); sys.path.insert(0, %r); import bench; '
@@ -193,9 +223,18 @@ def main():
     parser.add_argument('--out', default=os.path.join(HERE, 'results'))
     parser.add_argument('--overhead-only', action='store_true',
                         help='re-measure the fixed cost into an existing --out')
+    parser.add_argument('--memory', action='store_true',
+                        help='resident memory after 200 and 2,000 training steps')
     args = parser.parse_args()
     if args.overhead_only:
         return overhead_only(args.out)
+    if args.memory:
+        for hybrid in (False, True):
+            res = run_worker('memory_worker', dict(n=2, hybridize=hybrid, steps=2000,
+                                                   checkpoints=[200, 1000, 2000]), 3000)
+            print('memory, small net (batch 2 x 16x16 per device), N=2, %s: %s'
+                  % ('hybrid' if hybrid else 'imperative', res))
+        return
     steps = args.steps or (10 if args.quick else 30)
     configs = []
     for n in ([2, 4] if args.quick else [1, 2, 3, 4, 8]):

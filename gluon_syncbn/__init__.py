@@ -19,7 +19,7 @@ from .registry import SESSION as _SESSION  # noqa: E402
 
 install_error_text_hook(_mx.base.MXNetError)
 install_record_abort_hook(_mx.autograd._RecordingStateScope, _SESSION)
-install_exit_abort_hook(_SESSION)
+install_exit_abort_hook(_SESSION, _mx.nd.waitall)
 
 
 def reset():

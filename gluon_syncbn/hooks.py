@@ -6,9 +6,11 @@
   half-way (say device 2's forward raised in user code): the SyncBatchNorm calls
   already issued for devices 0 and 1 would wait for partners that never come, so
   we abort the step and they fail at once instead of at the timeout.
-* At interpreter exit MXNet stops running queued operators, so a call waiting
-  for a partner still in the queue would sit out its timeout; an ``atexit``
-  handler (registered after MXNet's, so it runs first) aborts the step.
+* At interpreter exit MXNet's own ``atexit`` handler stops the custom-operator
+  threads and then waits for the engine; a SyncBatchNorm call still waiting, or
+  failing, at that moment wedged it (2 of 3 runs hung). Ours, registered after
+  MXNet's so it runs first, aborts the step and drains the engine while those
+  threads still run.
 """
 import atexit
 
@@ -53,9 +55,13 @@ def install_record_abort_hook(scope_class, session):
     scope_class._gluon_syncbn_hooked = True
 
 
-def install_exit_abort_hook(session):
-    """At interpreter exit, fail every waiting call instead of waiting for the timeout."""
+def install_exit_abort_hook(session, waitall):
+    """At interpreter exit, fail every waiting call and drain the engine."""
     def abort_at_exit():
         if session.active():
             session.abort_all(SyncBatchNormError('the Python interpreter is exiting'))
+            try:
+                waitall()
+            except Exception:  # pylint: disable=broad-except
+                pass  # the aborted step's error; the program is ending anyway
     atexit.register(abort_at_exit)
