@@ -104,6 +104,11 @@ class SyncGroup(object):
         Seconds to wait for the other devices.
     transport : object
         Has ``allreduce(key, vector) -> vector`` (see :mod:`gluon_syncbn.transport`).
+    arrays : callable, optional
+        ``arrays(device_name, which)``: the layer's NDArrays on that device,
+        ``which='running'`` (running mean, variance) or ``'written'`` (those plus
+        the gamma/beta gradients). Without it, no running-statistics copies and
+        no clean-up after an abort.
     """
 
     def __init__(self, group_id, name, devices, axis, timeout, transport=None, arrays=None):
