@@ -6,6 +6,7 @@ are unique per layer object (not per prefix), so two networks with equal
 prefixes never share a barrier.
 """
 import itertools
+import os
 import threading
 
 import numpy as np
@@ -80,6 +81,19 @@ LAST_BATCH_HINT = (
     "devices, so split_and_load made fewer slices: use a DataLoader with "
     "last_batch='discard' or 'rollover'. Otherwise raise timeout= (or GLUON_SYNCBN_TIMEOUT) "
     "if a device is just slow.")
+CPU_SLOTS_HINT = (
+    " If every device was fed: CPU contexts share MXNet's temp-space and random-number "
+    "slots, and a network with many Dropout (or other) layers between the devices' calls "
+    "can use them all; set MXNET_CPU_PARALLEL_RAND_COPY / MXNET_CPU_TEMP_COPY higher "
+    "(currently %s / %s) before importing mxnet.")
+
+
+def timeout_hint(devices):
+    """The advice in a timeout message for a layer on ``devices``."""
+    if any(d.startswith('cpu') for d in devices):
+        return LAST_BATCH_HINT + CPU_SLOTS_HINT % (
+            os.environ.get('MXNET_CPU_PARALLEL_RAND_COPY'), os.environ.get('MXNET_CPU_TEMP_COPY'))
+    return LAST_BATCH_HINT
 
 
 def new_group_id():
@@ -120,7 +134,7 @@ class SyncGroup(object):
         self.axis = axis
         self.transport = transport or LocalTransport()
         self.barrier = CallOrderBarrier(name, self.devices, self._combine, timeout,
-                                        hint=LAST_BATCH_HINT, session=SESSION)
+                                        hint=timeout_hint(self.devices), session=SESSION)
 
     def running_params(self, device):
         """The running mean and variance arrays of ``device`` (the layer's own)."""
