@@ -45,6 +45,11 @@ def _read(arr):
     return arr.asnumpy().astype(np.float64).ravel()
 
 
+def _count(shape, channels):
+    """Samples per channel on this device, from the input's ``shape_array``."""
+    return int(np.prod(shape.asnumpy())) // max(channels, 1)
+
+
 class SyncBatchNormOp(mx.operator.CustomOp):
     """One device's instance of the synchronization operator."""
 
@@ -67,7 +72,7 @@ class SyncBatchNormOp(mx.operator.CustomOp):
 
     def forward(self, is_train, req, in_data, out_data, aux):
         m1, m2, v = (_read(a) for a in in_data[:3])
-        count = int(in_data[3].asnumpy()[0]) // max(m1.size, 1)
+        count = _count(in_data[3], m1.size)
         gamma = np.ones_like(m1) if self.fix_gamma else _read(in_data[4])
         beta = _read(in_data[5])
         if not is_train:
@@ -115,7 +120,7 @@ class SyncBatchNormOp(mx.operator.CustomOp):
                 "SyncBatchNorm '%s': backward through a call made in inference mode; record "
                 "the forward pass under autograd.record() (train_mode=True)." % self.group.name))
         m1, m2 = _read(in_data[0]), _read(in_data[1])
-        count = int(in_data[3].asnumpy()[0]) // channels
+        count = _count(in_data[3], channels)
         gamma = np.ones_like(m1) if self.fix_gamma else _read(in_data[4])
         inv_std = 1.0 / np.sqrt(var + self.eps)
         contribution, d_gamma, d_beta = stats.backward_contribution(
@@ -153,7 +158,7 @@ class SyncBatchNormProp(mx.operator.CustomOpProp):
         self.input_dtype = input_dtype
 
     def list_arguments(self):
-        return ['mean', 'residual', 'sqdev', 'size', 'gamma', 'beta']
+        return ['mean', 'residual', 'sqdev', 'shape', 'gamma', 'beta']
 
     def list_outputs(self):
         return ['scale', 'shift', 'info']
@@ -164,10 +169,10 @@ class SyncBatchNormProp(mx.operator.CustomOpProp):
     def infer_shape(self, in_shape):
         group = get_group(self.group_id)
         stat_shape = tuple(in_shape[0])
-        if not 2 <= len(stat_shape) <= 5:
-            self._fail_shape(group, 'expects input of 2 to 5 dimensions, got %d (shape '
-                             'of the statistics %s). Reshape the input, e.g. to (N, C, L).'
-                             % (len(stat_shape), stat_shape))
+        ndim = tuple(in_shape[3])[0] if len(in_shape) > 3 and len(in_shape[3]) else 0
+        if ndim > 0 and not 2 <= ndim <= 5:
+            self._fail_shape(group, 'expects input of 2 to 5 dimensions, got %d. Reshape '
+                             'the input, e.g. to (N, C, L).' % ndim)
         channels = int(np.prod(stat_shape))
         for i, what in ((4, 'gamma'), (5, 'beta'), (6, 'running_mean'), (7, 'running_var')):
             given = tuple(in_shape[i]) if i < len(in_shape) else ()
@@ -177,7 +182,7 @@ class SyncBatchNormProp(mx.operator.CustomOpProp):
                                  'Set in_channels=%d or feed %d channels.'
                                  % (channels, group.axis, what, given, channels, given[0]))
         vec = (channels,)
-        return ([stat_shape] * 3 + [(1,), vec, vec],
+        return ([stat_shape] * 3 + [(ndim,) if ndim > 0 else (0,), vec, vec],
                 [stat_shape, stat_shape, (_INFO_HEAD + 2 * channels,)],
                 [vec, vec])
 
