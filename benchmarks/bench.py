@@ -259,13 +259,7 @@ def main():
             rows.append((cfg, res))
             print(cfg, res, flush=True)
             continue
-        t = res['times']
-        base = median(t['plain'])
-        row = {
-            'plain_ms': 1e3 * base, 'ours_ms': 1e3 * median(t['ours']),
-            'ours_x': median(t['ours']) / base, 'ours_spread_ms': 1e3 * spread(t['ours']),
-            'contrib_x': (median(t['contrib']) / base) if 'contrib' in t else None,
-            'contrib_note': entry.get('contrib_probe'), 'rss_mb': res['rss_mb']}
+        row = summarize(entry)
         rows.append((cfg, row))
         print(cfg, {k: (round(v, 2) if isinstance(v, float) else v) for k, v in row.items()},
               flush=True)
@@ -285,14 +279,19 @@ def overhead_only(out):
         if isinstance(res, str):
             rows.append((cfg, res))
             continue
-        t = res['times']
-        base = median(t['plain'])
-        rows.append((cfg, {'plain_ms': 1e3 * base, 'ours_ms': 1e3 * median(t['ours']),
-                           'ours_x': median(t['ours']) / base,
-                           'ours_spread_ms': 1e3 * spread(t['ours']),
-                           'contrib_x': (median(t['contrib']) / base) if 'contrib' in t else None,
-                           'contrib_note': entry.get('contrib_probe'), 'rss_mb': res['rss_mb']}))
+        rows.append((cfg, summarize(entry)))
     write(out, rows, raw['overhead'], raw)
+
+
+def summarize(entry):
+    """One table row (medians, ratios to plain BN) from a configuration's raw result."""
+    res = entry['result']
+    t = res['times']
+    base = median(t['plain'])
+    return {'plain_ms': 1e3 * base, 'ours_ms': 1e3 * median(t['ours']),
+            'ours_x': median(t['ours']) / base, 'ours_spread_ms': 1e3 * spread(t['ours']),
+            'contrib_x': (median(t['contrib']) / base) if 'contrib' in t else None,
+            'contrib_note': entry.get('contrib_probe'), 'rss_mb': res['rss_mb']}
 
 
 def write(out, rows, over, raw):

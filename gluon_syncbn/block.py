@@ -237,7 +237,7 @@ class SyncBatchNorm(HybridBlock):
             op_type=_op.OP_TYPE, group=group.group_id, eps=self._kwargs['eps'],
             momentum=self._kwargs['momentum'], fix_gamma=self._kwargs['fix_gamma'],
             static_shape=self._static_shape,
-            input_dtype=np.dtype(x.dtype).name if imperative else self._input_dtype,
+            input_dtype=dtype.name,
             name='sync')
         out = F.broadcast_add(F.broadcast_mul(xc, scale), shift)
         if axis == 1:
