@@ -8,6 +8,7 @@ from mxnet.gluon import HybridBlock
 
 from . import op as _op
 from . import registry
+from .transport import make_transport
 from .engine import is_naive_engine
 from .errors import SyncBatchNormError
 
@@ -78,6 +79,11 @@ class SyncBatchNorm(HybridBlock):
     timeout : float or None, default None
         Seconds a device waits for the others before raising
         :class:`SyncBatchNormTimeout`; None reads ``GLUON_SYNCBN_TIMEOUT``, else 180.
+    kvstore : KVStore, 'horovod' or None, default None
+        Synchronize with the devices of other worker processes too: the job's
+        ``mx.kv.create('dist_sync')`` store (shared with a Trainer created with
+        ``update_on_kvstore=False``), or ``'horovod'`` for ``horovod.mxnet``.
+        None (or a local kvstore): this process's devices only.
 
     Inputs:
         - **data**: input of 2 to 5 dimensions, float16, float32 or float64.
@@ -95,7 +101,7 @@ class SyncBatchNorm(HybridBlock):
     def __init__(self, axis=1, momentum=0.9, epsilon=1e-5, center=True, scale=True,
                  use_global_stats=False, beta_initializer='zeros', gamma_initializer='ones',
                  running_mean_initializer='zeros', running_variance_initializer='ones',
-                 in_channels=0, num_devices=None, timeout=None, **kwargs):
+                 in_channels=0, num_devices=None, timeout=None, kvstore=None, **kwargs):
         super(SyncBatchNorm, self).__init__(**kwargs)
         if num_devices is not None and (int(num_devices) != num_devices or num_devices < 1):
             raise ValueError('SyncBatchNorm: num_devices must be a positive integer or None, '
@@ -105,6 +111,7 @@ class SyncBatchNorm(HybridBlock):
         self._center = center
         self._num_devices = num_devices
         self._timeout = float(timeout) if timeout is not None else default_timeout()
+        self._transport = make_transport(kvstore)
         self._group_id = registry.new_group_id()
         self._group = None
         self._input_dtype = 'float32'
@@ -169,6 +176,7 @@ class SyncBatchNorm(HybridBlock):
         if group is None or group.devices != devices:
             group = registry.SyncGroup(self._group_id, self.name, devices,
                                        self._kwargs['axis'], self._timeout,
+                                       transport=self._transport,
                                        arrays=_array_getter(self))
             registry.register(group)
             self._group = group
@@ -211,7 +219,7 @@ class SyncBatchNorm(HybridBlock):
                                **dict(self._kwargs, use_global_stats=True))
         group = self._sync_group()
         dtype = np.dtype(x.dtype if imperative else self._input_dtype)
-        if len(group.devices) == 1 and dtype == np.float32:
+        if len(group.devices) == 1 and dtype == np.float32 and not self._transport.cross_process:
             # Nothing to synchronize: be nn.BatchNorm, kernel and all. (Its CPU
             # kernel mishandles float64 under MKL-DNN; float16 needs our casts.)
             return F.BatchNorm(x, gamma, beta, running_mean, running_var, name='fwd',

@@ -55,7 +55,7 @@ def _replace_references(parent, old, new):
                     value[k] = new
 
 
-def convert_model(net, num_devices=None, timeout=None):
+def convert_model(net, num_devices=None, timeout=None, kvstore=None):
     """Replace every BatchNorm in ``net`` by :class:`SyncBatchNorm`, in place.
 
     Handles ``gluon.nn.BatchNorm`` and ``gluon.contrib.nn.SyncBatchNorm`` at any
@@ -71,6 +71,9 @@ def convert_model(net, num_devices=None, timeout=None):
         Passed to every :class:`SyncBatchNorm` (None: the number of contexts).
     timeout : float or None
         Passed to every :class:`SyncBatchNorm`.
+    kvstore : KVStore, 'horovod' or None
+        Passed to every :class:`SyncBatchNorm`: synchronize across worker
+        processes too.
 
     Returns
     -------
@@ -78,8 +81,8 @@ def convert_model(net, num_devices=None, timeout=None):
         ``net``. Call ``hybridize()`` again if it was hybridized.
     """
     def make(bn):
-        return SyncBatchNorm(num_devices=num_devices, timeout=timeout, prefix=bn.prefix,
-                             params=bn.params, **_settings(bn))
+        return SyncBatchNorm(num_devices=num_devices, timeout=timeout, kvstore=kvstore,
+                             prefix=bn.prefix, params=bn.params, **_settings(bn))
     if _is_batchnorm(net):
         return make(net)
     _swap(net, _is_batchnorm, make)

@@ -59,7 +59,8 @@ def install_exit_abort_hook(session, waitall):
     """At interpreter exit, fail every waiting call and drain the engine."""
     def abort_at_exit():
         if session.active():
-            session.abort_all(SyncBatchNormError('the Python interpreter is exiting'))
+            session.abort_all(SyncBatchNormError('the Python interpreter is exiting'),
+                              exiting=True)
             try:
                 waitall()
             except Exception:  # pylint: disable=broad-except

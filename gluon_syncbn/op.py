@@ -208,6 +208,8 @@ class SyncBatchNormProp(mx.operator.CustomOpProp):
     def create_operator(self, ctx, in_shapes, in_dtypes):
         group = get_group(self.group_id)
         device = group.device_index(ctx)
+        # Runs on the main thread, in network order, on every worker alike.
+        group.attach(int(np.prod(in_shapes[0])))
         if not self.static_shape:
             # Runs when the call is issued (imperative and dynamic graphs).
             group.clear_failed_state(device, SESSION.token())

@@ -36,6 +36,13 @@ class Session(object):
         self._lock = threading.Lock()
         self._token = 0
         self._cause = None
+        self._abort_listeners = []
+
+    def add_abort_listener(self, listener):
+        """Call ``listener(cause)`` on every abort except the one at interpreter exit."""
+        with self._lock:
+            if listener not in self._abort_listeners:
+                self._abort_listeners.append(listener)
 
     def token(self):
         return self._token
@@ -53,11 +60,14 @@ class Session(object):
             record_failure(exc)
             raise exc
 
-    def abort(self, cause):
+    def abort(self, cause, exiting=False):
         """Start a new token; calls issued before now belong to an aborted step."""
         with self._lock:
             self._token += 1
             self._cause = cause
+            listeners = [] if exiting else list(self._abort_listeners)
+        for listener in listeners:
+            listener(cause)
 
     def fail_others(self, cause):
         """Wake every waiting call of every layer with ``cause``."""
@@ -66,11 +76,11 @@ class Session(object):
         for group in groups:
             group.barrier.fail_pending(cause)
 
-    def abort_all(self, cause=None):
+    def abort_all(self, cause=None, exiting=False):
         """Abort the current step everywhere: the manual ``gluon_syncbn.reset()``."""
         if cause is None:
             cause = SyncBatchNormError('gluon_syncbn.reset() was called while this call waited.')
-        self.abort(cause)
+        self.abort(cause, exiting)
         self.fail_others(cause)
 
 
@@ -117,7 +127,8 @@ class SyncGroup(object):
     timeout : float
         Seconds to wait for the other devices.
     transport : object
-        Has ``allreduce(key, vector) -> vector`` (see :mod:`gluon_syncbn.transport`).
+        How the per-process sums reach the other processes (see
+        :mod:`gluon_syncbn.transport`); default: this process only.
     arrays : callable, optional
         ``arrays(device_name, which)``: the layer's NDArrays on that device,
         ``which='running'`` (running mean, variance) or ``'written'`` (those plus
@@ -133,8 +144,15 @@ class SyncGroup(object):
         self._cleared_token = [0] * len(self.devices)
         self.axis = axis
         self.transport = transport or LocalTransport()
+        if self.transport.cross_process:
+            # An aborted step leaves the other workers waiting for our sums.
+            SESSION.add_abort_listener(self.transport.fail_on_abort)
         self.barrier = CallOrderBarrier(name, self.devices, self._combine, timeout,
                                         hint=timeout_hint(self.devices), session=SESSION)
+
+    def attach(self, channels):
+        """Prepare the transport for this layer (main thread, at its first call)."""
+        self.transport.attach(self.group_id, channels)
 
     def running_params(self, device):
         """The running mean and variance arrays of ``device`` (the layer's own)."""
@@ -185,7 +203,7 @@ class SyncGroup(object):
                 "slice to the same dtype." % (self.name, ', '.join(
                     '%s: %s' % (self.devices[i], d) for i, d in sorted(dtypes.items()))))
         total = np.sum([v[0] for v in values.values()], axis=0, dtype=np.float64)
-        return self.transport.allreduce(key, total)
+        return self.transport.allreduce(self.group_id, key, total, self.barrier.timeout)
 
 
 def register(group):

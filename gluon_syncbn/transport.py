@@ -1,20 +1,372 @@
 """How the devices' summed statistics cross process boundaries.
 
 Within one process the barrier already holds every device's contribution and
-sums them in float64 (:class:`LocalTransport` adds nothing). Across processes
-the barrier's leader all-reduces that per-process sum through an existing
-engine: MXNet's distributed kvstore or Horovod.
+sums them in float64; :class:`LocalTransport` adds nothing. Across processes
+the barrier's last arrival all-reduces that per-process sum through an
+existing engine: MXNet's distributed kvstore (:class:`KVStoreTransport`) or
+Horovod (:class:`HorovodTransport`). Either way, one reduction per layer call
+in forward and one in backward.
+
+Rules every cross-process transport follows:
+
+* Each layer gets a *slot* when its first call is issued. That happens on the
+  main thread, in the network's order, identically on every worker, so the
+  kvstore keys (which need a collective ``init``) line up.
+* Every reduction carries two check numbers, the channel count and the
+  layer's call number. Their sums must be ``workers x`` this worker's: if not,
+  the workers are out of step, or a kvstore applies an optimizer to our keys
+  (a Trainer with ``update_on_kvstore=True``). Either is an error, never a
+  silently wrong mean.
+* Every wait is bounded by the layer's timeout. A lost worker makes ps-lite
+  peers wait forever, and MXNet cannot cancel a pending operation, so a failed
+  cross-process reduction is fatal: the call raises, and a process that has
+  not ended ``exit_grace`` seconds later (or reaches interpreter exit) is
+  ended with ``os._exit(1)`` after printing the cause. A launcher then stops
+  the other workers.
 """
+import atexit
+import os
+import sys
+import threading
+import time
+import weakref
+
 import numpy as np
 
-__all__ = ['LocalTransport']
+from .errors import SyncBatchNormError, SyncBatchNormTimeout, record_failure
+
+__all__ = ['LocalTransport', 'KVStoreTransport', 'HorovodTransport', 'make_transport']
+
+# Trainer uses int keys 0..P-1 and one store cannot mix int and str keys, so
+# ours are ints far above any parameter count: slot s uses KEY_BASE + 2s (+1).
+KEY_BASE = 1 << 30
+_CHECKS = 2  # leading check numbers of every cross-process vector
+DEFAULT_EXIT_GRACE = 30.0
+
+_SUPPORTED_KVSTORES = ('dist_sync', 'dist_sync_device', 'dist_device_sync')
+_LOCAL_KVSTORES = ('local', 'device', 'local_update_cpu', 'local_allreduce_cpu',
+                   'local_allreduce_device', 'nccl')
 
 
 class LocalTransport(object):
     """All devices live in this process: the per-process sum is the global sum."""
 
     name = 'local'
+    cross_process = False
 
-    def allreduce(self, key, vector):
+    def attach(self, group_id, channels):
+        """Nothing to set up in one process."""
+
+    def allreduce(self, group_id, key, vector, timeout):
         """Return the sum of ``vector`` over all processes (here: ``vector``)."""
         return np.asarray(vector, dtype=np.float64)
+
+
+class _CrossProcessTransport(object):
+    """Slots, check numbers, bounded waits and fatal failures; engines subclass it.
+
+    Subclasses set ``name``, ``rank`` and ``num_workers`` and implement
+    ``_init_slot(slot, size)`` (main thread, collective) and
+    ``_start(slot, direction, vector) -> wait`` where ``wait()`` blocks until
+    the sum is there and returns it as a NumPy array.
+    """
+
+    cross_process = True
+
+    def __init__(self):
+        self._lock = threading.RLock()
+        self._slots = {}
+        self._broken = None
+        self.exit_grace = float(os.environ.get('GLUON_SYNCBN_EXIT_GRACE', DEFAULT_EXIT_GRACE))
+
+    def attach(self, group_id, channels):
+        """Give the layer a slot; must run on the main thread, in network order."""
+        if group_id in self._slots:
+            return
+        with self._lock:
+            slot = len(self._slots)
+            # forward vectors: count, C sums of means, C sums of variances
+            self._init_slot(slot, _CHECKS + 1 + 2 * channels, _CHECKS + 2 * channels)
+            self._slots[group_id] = slot
+
+    def allreduce(self, group_id, key, vector, timeout):
+        """Sum ``vector`` over every worker; raise (fatally) if that fails."""
+        if self._broken is not None:
+            raise self._broken
+        direction, call = key[0], key[-1]
+        slot = self._slots.get(group_id)
+        if slot is None:
+            raise SyncBatchNormError(
+                'SyncBatchNorm: layer %s has no %s slot: its first call was not issued from '
+                'the main thread; this is a bug in gluon_syncbn, please report it.'
+                % (group_id, self.name))
+        channels = (len(vector) - (1 if direction == 'fwd' else 0)) // 2
+        checks = np.array([channels, call], dtype=np.float64)
+        payload = np.concatenate((checks, np.asarray(vector, dtype=np.float64)))
+        try:
+            with self._lock:
+                wait = self._start(slot, direction, payload)
+            total = self._bounded(wait, timeout, direction, call, slot)
+        except SyncBatchNormError as exc:
+            raise self._fatal(exc)
+        except Exception as exc:  # pylint: disable=broad-except
+            raise self._fatal(SyncBatchNormError(
+                'SyncBatchNorm: the %s reduction of layer slot %d failed in %s: %s: %s. '
+                'Another worker probably died; see its log.' % (
+                    direction, slot, self.name, type(exc).__name__, exc)))
+        expected = checks * self.num_workers
+        if not np.array_equal(total[:_CHECKS], expected):
+            raise self._fatal(SyncBatchNormError(self._mismatch_message(
+                direction, slot, checks, total[:_CHECKS], expected)))
+        return total[_CHECKS:]
+
+    def _mismatch_message(self, direction, slot, checks, got, expected):
+        where = 'SyncBatchNorm: at the %s reduction of layer slot %d, the %d workers\' ' \
+                'check numbers add up to %s instead of %s (channels, call number). ' % (
+                    direction, slot, self.num_workers, got.tolist(), expected.tolist())
+        if not np.array_equal(got, np.round(got)):
+            return where + ('The kvstore changed our sums: it applies an optimizer to every '
+                            'key. Create the Trainer with update_on_kvstore=False.')
+        return where + ('The workers are out of step (this worker: %d channels, call #%d): '
+                        'every worker must run the same network and call it the same number '
+                        'of times.' % (checks[0], checks[1]))
+
+    def _bounded(self, wait, timeout, direction, call, slot):
+        """Run ``wait()`` on a helper thread; give up after ``timeout`` seconds."""
+        box = {}
+        done = threading.Event()
+
+        def run():
+            try:
+                box['value'] = wait()
+            except Exception as exc:  # pylint: disable=broad-except
+                box['error'] = exc
+            done.set()
+
+        # A daemon thread: if the engine never completes, it must not keep the
+        # process alive. It costs ~0.1 ms next to a ~1 ms reduction.
+        threading.Thread(target=run, name='gluon_syncbn-wait', daemon=True).start()
+        if not done.wait(timeout):
+            raise SyncBatchNormTimeout(
+                'SyncBatchNorm: worker %d of %d waited %gs for the other workers at the %s '
+                'reduction #%d of layer slot %d (%s). A worker died, hangs, or runs a '
+                'different number of training calls; see the other workers\' logs. Raise '
+                'timeout= (or GLUON_SYNCBN_TIMEOUT) if a worker is just slow.' % (
+                    self.rank, self.num_workers, timeout, direction, call, slot, self.name))
+        if 'error' in box:
+            raise box['error']
+        return np.asarray(box['value'], dtype=np.float64).ravel()
+
+    def _fatal(self, exc):
+        """Mark the transport broken and make sure the process ends."""
+        with self._lock:
+            if self._broken is None:
+                self._broken = SyncBatchNormError(
+                    'SyncBatchNorm: cross-process synchronization was lost earlier and '
+                    'cannot resume (pending %s reductions cannot be cancelled): %s'
+                    % (self.name, exc))
+                self._on_fatal(exc)
+        record_failure(exc)
+        return exc
+
+    def _on_fatal(self, exc):
+        """Make sure the process ends: at interpreter exit, or ``exit_grace`` s from now.
+
+        Otherwise MXNet's own waits (a Trainer's pushpull, the engine drain and
+        ps-lite's finalize barrier at exit) would wait forever for operations and
+        workers that are gone.
+        """
+        message = 'gluon_syncbn: worker %d %%s a failed cross-process reduction: %s' % (
+            self.rank, exc)
+        atexit.register(_end_process, message % 'exits after')
+
+        def end_later():
+            time.sleep(self.exit_grace)
+            _end_process(message % ('did not exit within %gs of' % self.exit_grace))
+        threading.Thread(target=end_later, name='gluon_syncbn-exit', daemon=True).start()
+
+    def fail_on_abort(self, cause):
+        """A step aborted in this process: the other workers now wait for sums we
+        will not send, and the call numbering no longer lines up. Fatal."""
+        if self._slots and self._broken is None:
+            self._fatal(SyncBatchNormError('a SyncBatchNorm step failed on worker %d: %s'
+                                           % (self.rank, cause)))
+
+
+def _end_process(message):
+    sys.stdout.flush()
+    sys.stderr.write(message + '\n')
+    sys.stderr.flush()
+    os._exit(1)
+
+
+class KVStoreTransport(_CrossProcessTransport):
+    """All-reduce over the job's MXNet distributed kvstore (ps-lite).
+
+    Parameters
+    ----------
+    kvstore : mxnet.kvstore.KVStore
+        The job's ``mx.kv.create('dist_sync')`` (or ``'dist_sync_device'``)
+        store, the same one the Trainer uses (with ``update_on_kvstore=False``).
+    """
+
+    def __init__(self, kvstore):
+        # Weakly: a store that outlives the user's own reference is destroyed
+        # during module teardown, after MXNet's shutdown, and ps-lite's
+        # finalize then aborts the process.
+        self._kvstore = weakref.ref(kvstore)
+        self.name = "kvstore '%s'" % kvstore.type
+        self.rank = kvstore.rank
+        self.num_workers = kvstore.num_workers
+        self._keys = {}
+        super(KVStoreTransport, self).__init__()
+        _serialize_calls(kvstore, self._lock)
+
+    @property
+    def kvstore(self):
+        kvstore = self._kvstore()
+        if kvstore is None:
+            raise SyncBatchNormError(
+                'SyncBatchNorm: the kvstore given as kvstore= was deleted; keep it alive '
+                'while the network trains (the Trainer normally holds it).')
+        return kvstore
+
+    def _init_slot(self, slot, forward_size, backward_size):
+        import mxnet as mx
+        for offset, (direction, size) in enumerate((('fwd', forward_size),
+                                                    ('bwd', backward_size))):
+            key = KEY_BASE + 2 * slot + offset
+            # A collective: rank 0 pushes the zeros, then every worker waits at
+            # ps-lite's barrier. Hence main thread and fixed order only. Not the
+            # wrapped init: its drain would wait for this very forward pass. And
+            # no mx.nd.zeros: inside a hybridized forward MXNet bulks the
+            # operators this thread issues, and init would wait for a zero-fill
+            # held back in the bulk (a deadlock we hit).
+            kvstore = self.kvstore
+            type(kvstore).init(kvstore, key,
+                               mx.nd.array(np.zeros(size), ctx=mx.cpu(), dtype='float64'))
+            self._keys[slot, direction] = key
+
+    def _start(self, slot, direction, vector):
+        import mxnet as mx
+        key = self._keys[slot, direction]
+        send = mx.nd.array(vector, ctx=mx.cpu(), dtype='float64')
+        # Separate output: a push copies, so pushing and pulling into one array
+        # would overwrite our contribution with the sum before it is sent.
+        out = mx.nd.empty(vector.shape, ctx=mx.cpu(), dtype='float64')
+        self.kvstore.pushpull(key, send, out=out)
+        return out.asnumpy
+
+
+def _serialize_calls(kvstore, lock):
+    """Make every call on ``kvstore`` take ``lock``, ours and the Trainer's alike.
+
+    MXNet's dist kvstore front end keeps per-key buffers in unguarded C++ maps.
+    Our reductions are issued from custom-op threads while the main thread
+    issues the Trainer's, and the Trainer's first calls insert into those maps:
+    unserialized, a worker's first update came out wrong in about half the runs.
+
+    Issuing a push or pull is asynchronous, so the lock is held briefly. ``init``
+    and ``broadcast`` block until the store holds the value, which may wait for
+    our operators (they write the running statistics the Trainer broadcasts)
+    while those wait for the lock: so these first drain the engine, then lock.
+    The wrappers reach the store through a weak reference, so the store is
+    still destroyed when the user drops it.
+    """
+    import mxnet as mx
+    ref = weakref.ref(kvstore)
+    for name in ('init', 'broadcast', 'push', 'pull', 'pushpull', 'row_sparse_pull'):
+        method = getattr(type(kvstore), name, None)
+        if method is not None:
+            drain = mx.nd.waitall if name in ('init', 'broadcast') else None
+            setattr(kvstore, name, _locked(method, ref, lock, drain))
+
+
+def _locked(method, ref, lock, drain):
+    def call(*args, **kwargs):
+        if drain is not None:
+            drain()
+        with lock:
+            return method(ref(), *args, **kwargs)
+    call.__doc__ = method.__doc__
+    return call
+
+
+class HorovodTransport(_CrossProcessTransport):
+    """All-reduce through ``horovod.mxnet`` (initialized here if it is not yet)."""
+
+    def __init__(self):
+        try:
+            import horovod.mxnet as hvd  # pylint: disable=import-outside-toplevel
+        except ImportError as exc:
+            raise SyncBatchNormError(
+                "SyncBatchNorm(kvstore='horovod') needs horovod.mxnet, which does not import "
+                "here (%s). Install Horovod with MXNet support: HOROVOD_WITH_MXNET=1 "
+                "HOROVOD_WITH_GLOO=1 pip install --no-build-isolation horovod (see README)."
+                % exc)
+        hvd.init()
+        self._hvd = hvd
+        self.name = 'horovod'
+        self.rank = hvd.rank()
+        self.num_workers = hvd.size()
+        super(HorovodTransport, self).__init__()
+
+    def _init_slot(self, slot, forward_size, backward_size):
+        pass  # Horovod matches reductions by name; nothing to create.
+
+    def _start(self, slot, direction, vector):
+        import mxnet as mx
+        send = mx.nd.array(vector, ctx=mx.cpu(), dtype='float64')
+        out = self._hvd.allreduce(send, op=self._hvd.Sum,
+                                  name='gluon_syncbn.%d.%s' % (slot, direction))
+        return out.asnumpy
+
+
+_LOCAL = LocalTransport()
+_shared = {}
+
+
+def make_transport(kvstore):
+    """The transport for ``SyncBatchNorm(kvstore=...)``; one per store, shared by all layers.
+
+    Raises
+    ------
+    SyncBatchNormError
+        For kvstore types that would not synchronize across workers, or that
+        MXNet 1.9.1 silently turns into a local store.
+    """
+    if kvstore is None:
+        return _LOCAL
+    if isinstance(kvstore, str):
+        if kvstore.lower() == 'horovod':
+            if 'horovod' not in _shared:
+                _shared['horovod'] = HorovodTransport()
+            return _shared['horovod']
+        raise SyncBatchNormError(
+            "SyncBatchNorm: kvstore=%r is not supported. Pass the job's kvstore object "
+            "(kv = mx.kv.create('dist_sync'), the same one the Trainer gets), "
+            "kvstore='horovod', or None for one process." % (kvstore,))
+    kv_type = getattr(kvstore, 'type', None)
+    if kv_type is None:
+        raise SyncBatchNormError(
+            'SyncBatchNorm: kvstore must be an mxnet KVStore, the string \'horovod\' or None; '
+            'got %r.' % (kvstore,))
+    if kv_type in ('horovod', 'byteps'):
+        raise SyncBatchNormError(
+            "SyncBatchNorm: mx.kv.create(%r) gives a plain local store in MXNet 1.9.1 (it "
+            "would not synchronize anything across workers). For Horovod pass "
+            "kvstore='horovod' to SyncBatchNorm and use hvd.DistributedTrainer; BytePS is "
+            "not supported: use a 'dist_sync' kvstore or Horovod." % kv_type)
+    if kv_type in _LOCAL_KVSTORES:
+        return _LOCAL  # one process: the devices already meet at the barrier
+    if kv_type not in _SUPPORTED_KVSTORES:
+        raise SyncBatchNormError(
+            "SyncBatchNorm: kvstore type %r is not supported: batch statistics need a "
+            "synchronous all-reduce. Use 'dist_sync' or 'dist_sync_device' (or Horovod)."
+            % kv_type)
+    if kvstore.num_workers == 1:
+        return _LOCAL
+    transport = _shared.get(id(kvstore))
+    if transport is None or transport._kvstore() is not kvstore:  # ids are reused
+        transport = _shared[id(kvstore)] = KVStoreTransport(kvstore)
+    return transport

@@ -21,13 +21,16 @@ def _run(args, timeout, env):
     full_env = dict(os.environ)
     full_env.update(env or {})
     full_env['PYTHONPATH'] = ROOT + os.pathsep + full_env.get('PYTHONPATH', '')
+    full_env.setdefault('SCENARIO_TRACEBACK_AFTER', str(max(timeout - 10, 1)))
     try:
         proc = subprocess.run([sys.executable, '-m', 'tests.scenarios'] + args, cwd=ROOT,
                               env=full_env, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired as exc:
-        out = (exc.stdout or b'').decode() if isinstance(exc.stdout, bytes) else (exc.stdout or '')
-        raise ScenarioFailed('scenario %s did not finish within %ss (hang?)\n%s'
-                             % (args[0], timeout, out[-3000:]))
+        def text(stream):
+            return (stream or b'').decode() if isinstance(stream, bytes) else (stream or '')
+        raise ScenarioFailed('scenario %s did not finish within %ss (hang?)\n%s\n%s'
+                             % (args[0], timeout, text(exc.stdout)[-3000:],
+                                text(exc.stderr)[-6000:]))
     return proc
 
 

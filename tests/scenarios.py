@@ -453,6 +453,10 @@ def run(name, kwargs):
 def main():
     """``NAME JSON`` runs one scenario; ``--batch JSON_LIST`` runs ``[[name, kwargs], ...]``
     in order, printing ``RESULT <index> {...}`` after each."""
+    if os.environ.get('SCENARIO_TRACEBACK_AFTER'):
+        # A scenario that hangs prints where every thread waits before it is killed.
+        import faulthandler
+        faulthandler.dump_traceback_later(float(os.environ['SCENARIO_TRACEBACK_AFTER']))
     if sys.argv[1] == '--batch':
         for i, (name, kwargs) in enumerate(json.loads(sys.argv[2])):
             print('RESULT %d %s' % (i, json.dumps(run(name, kwargs))))

@@ -1,0 +1,199 @@
+"""One worker of a multi-process test job, started by ``gluon_syncbn.launch``.
+
+Run as ``python tests/dist_worker.py SCENARIO JSON_KWARGS`` on every worker;
+each worker prints ``RESULT {...}`` with its rank and worst relative errors.
+Every worker draws the same global batch from the same seed, takes the slices
+of its own devices, and computes the float64 reference on the whole batch
+itself, so no worker trusts another's numbers.
+"""
+import json
+import os
+import signal
+import sys
+import time
+import zlib
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import gluon_syncbn  # noqa: E402  (configures the engine before MXNet runs)
+import mxnet as mx  # noqa: E402
+from mxnet import autograd, gluon  # noqa: E402
+
+from gluon_syncbn import SyncBatchNorm, convert_model  # noqa: E402
+from tests.reference import batchnorm_float64, max_rel_err  # noqa: E402
+from tests.scenarios import build, copy_params, split_batch  # noqa: E402
+
+
+class Worker(object):
+    """This process's place in the job: backend, rank, devices and batch slices.
+
+    ``devices``: devices per worker, an int or one int per rank; ``sizes``: the
+    global batch's slice sizes, one per device of every worker in rank order.
+    """
+
+    def __init__(self, backend, devices, sizes):
+        if backend == 'horovod':
+            import horovod.mxnet as hvd  # pylint: disable=import-outside-toplevel
+            hvd.init()
+            self.hvd, self.kvstore = hvd, 'horovod'
+            self.rank, self.num_workers = hvd.rank(), hvd.size()
+        else:
+            self.kvstore = mx.kv.create(backend)
+            self.rank, self.num_workers = self.kvstore.rank, self.kvstore.num_workers
+        per_worker = devices if isinstance(devices, list) else [devices] * self.num_workers
+        assert len(sizes) == sum(per_worker), (sizes, per_worker)
+        first = sum(per_worker[:self.rank])
+        self.ctxs = [mx.cpu(i) for i in range(per_worker[self.rank])]
+        self.sizes = list(sizes)
+        self.mine = list(range(first, first + per_worker[self.rank]))
+
+    def slices(self, x):
+        """This worker's device slices of a global array."""
+        parts = split_batch(x, self.sizes)
+        return [mx.nd.array(parts[i], ctx=c, dtype=x.dtype) for i, c in zip(self.mine, self.ctxs)]
+
+    def rows(self, x):
+        """This worker's rows of a global NumPy array, concatenated."""
+        parts = split_batch(x, self.sizes)
+        return np.concatenate([parts[i] for i in self.mine])
+
+
+def layer(backend, devices, sizes, shape=(3, 4, 5), axis=1, steps=2, hybridize=False, seed=0):
+    """SyncBatchNorm across workers vs float64 maths on the global batch."""
+    worker = Worker(backend, devices, sizes)
+    rng = np.random.RandomState(seed)
+    full = (int(sum(sizes)),) + tuple(shape)
+    channels = full[axis]
+    gamma = rng.uniform(0.5, 1.5, channels)
+    beta = rng.uniform(-0.5, 0.5, channels)
+    bn = SyncBatchNorm(axis=axis, in_channels=channels, kvstore=worker.kvstore, timeout=60)
+    bn.initialize(ctx=worker.ctxs)
+    bn.gamma.set_data(mx.nd.array(gamma))
+    bn.beta.set_data(mx.nd.array(beta))
+    if hybridize:
+        bn.hybridize()
+    errs = {}
+    run_mean, run_var = np.zeros(channels), np.ones(channels)
+
+    def note(name, actual, expected):
+        errs[name] = max(errs.get(name, 0.0), max_rel_err(actual, expected))
+
+    red = tuple(i for i in range(len(full)) if i != axis % len(full))
+    for _ in range(steps):
+        x = (rng.randn(*full) * 2 + 1).astype(np.float32)
+        dy = rng.randn(*full).astype(np.float32)
+        xs, dys = worker.slices(x), worker.slices(dy)
+        for a in xs:
+            a.attach_grad()
+        with autograd.record():
+            ys = [bn(a) for a in xs]
+        autograd.backward(ys, dys)
+        y64, dx64, _, _, mean64, var64 = batchnorm_float64(x, dy, gamma, beta, axis)
+        bshape = [1] * len(full)
+        bshape[axis] = -1
+        xhat = (y64 - beta.reshape(bshape)) / gamma.reshape(bshape)
+        # gamma/beta gradients stay per device: this worker's share of the sums
+        dgamma_mine = (worker.rows(dy).astype(np.float64) * worker.rows(xhat)).sum(axis=red)
+        dbeta_mine = worker.rows(dy).astype(np.float64).sum(axis=red)
+        run_mean = run_mean * 0.9 + mean64 * 0.1
+        run_var = run_var * 0.9 + var64 * 0.1
+        note('y', np.concatenate([a.asnumpy() for a in ys]), worker.rows(y64))
+        note('dx', np.concatenate([a.grad.asnumpy() for a in xs]), worker.rows(dx64))
+        note('dgamma', sum(bn.gamma.grad(c).asnumpy() for c in worker.ctxs), dgamma_mine)
+        note('dbeta', sum(bn.beta.grad(c).asnumpy() for c in worker.ctxs), dbeta_mine)
+        for c in worker.ctxs:
+            note('running_mean', bn.running_mean.data(c).asnumpy(), run_mean)
+            note('running_var', bn.running_var.data(c).asnumpy(), run_var)
+    return dict(errs, rank=worker.rank)
+
+
+def _trainer(worker, net, update_on_kvstore):
+    opt = {'learning_rate': 0.1, 'momentum': 0.9, 'wd': 1e-4}
+    if worker.kvstore == 'horovod':
+        # Horovod averages gradients over workers and reduces only the first
+        # context's: one device per worker.
+        return worker.hvd.DistributedTrainer(net.collect_params(), 'sgd', opt)
+    return gluon.Trainer(net.collect_params(), 'sgd', opt, kvstore=worker.kvstore,
+                         update_on_kvstore=update_on_kvstore)
+
+
+def train(backend, devices, sizes, steps=3, hybridize=False, image=8, seed=0, fault=None,
+          timeout=60.0, update_on_kvstore=False):
+    """A Trainer loop across workers vs float64 full-batch training in one process.
+
+    ``fault``: ``'kill'`` (rank 1 kills itself before step 2), ``'stall'``
+    (rank 1 stops calling the network before step 2) or ``'bad_input'``
+    (rank 1 feeds the wrong channel count at step 2).
+    """
+    worker = Worker(backend, devices, sizes)
+    rng = np.random.RandomState(seed)
+    mx.random.seed(seed)
+    batch = int(sum(sizes))
+    ref = build('conv', 'plain', layers=3)
+    ref.initialize(mx.init.Xavier(), ctx=mx.cpu(0))
+    net = convert_model(build('conv', 'plain', layers=3), kvstore=worker.kvstore,
+                        timeout=timeout)
+    net.initialize(ctx=worker.ctxs)
+    x0 = mx.nd.array(rng.randn(batch, 3, image, image), dtype='float32')
+    ref(x0)
+    net(x0.as_in_context(worker.ctxs[0]))
+    # Xavier draws differ between processes: every worker copies a fixed draw
+    for p in ref.collect_params().values():
+        p.set_data(mx.nd.array(np.random.RandomState(zlib.crc32(p.name.encode())).uniform(
+            -0.3, 0.3, p.shape) + (1.0 if p.name.endswith(('gamma', 'running_var')) else 0.0)))
+    copy_params(ref, net)
+    ref.cast('float64')
+    if hybridize:
+        net.hybridize()
+        ref.hybridize()
+    loss_fn = gluon.loss.SoftmaxCrossEntropyLoss()
+    trainer = _trainer(worker, net, update_on_kvstore)
+    ref_trainer = gluon.Trainer(ref.collect_params(), 'sgd',
+                                {'learning_rate': 0.1, 'momentum': 0.9, 'wd': 1e-4})
+    # Horovod averages over workers: scale the batch size to get the global mean
+    step_batch = batch / worker.num_workers if worker.kvstore == 'horovod' else batch
+    errs = {}
+
+    def note(name, actual, expected):
+        errs[name] = max(errs.get(name, 0.0), max_rel_err(actual, expected))
+
+    for step in range(steps):
+        x = rng.randn(batch, 3, image, image).astype(np.float32)
+        label = rng.randint(0, 5, batch).astype(np.float32)
+        if step == 1 and worker.rank == 1 and fault == 'kill':
+            print('killing myself', flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+        if step == 1 and worker.rank == 1 and fault == 'stall':
+            print('stalling', flush=True)
+            time.sleep(600)
+        if step == 1 and worker.rank == 1 and fault == 'bad_input':
+            x = x[:, :2]
+        xs, labels = worker.slices(x), worker.slices(label)
+        with autograd.record():
+            losses = [loss_fn(net(a), b) for a, b in zip(xs, labels)]
+        autograd.backward(losses)
+        trainer.step(step_batch)
+        mx.nd.waitall()
+        with autograd.record():
+            ref_loss = loss_fn(ref(mx.nd.array(x, dtype='float64')),
+                               mx.nd.array(label, dtype='float64'))
+        ref_loss.backward()
+        ref_trainer.step(batch)
+        note('loss', np.concatenate([l.asnumpy() for l in losses]), worker.rows(ref_loss.asnumpy()))
+        for (name, p), rp in zip(net.collect_params().items(), ref.collect_params().values()):
+            kind = 'running' if 'running' in name else 'param'
+            for c in worker.ctxs:
+                note(kind, p.data(c).asnumpy(), rp.data().asnumpy())
+    return dict(errs, rank=worker.rank)
+
+
+SCENARIOS = {'layer': layer, 'train': train}
+
+if __name__ == '__main__':
+    if os.environ.get('DIST_WORKER_TRACEBACK_AFTER'):  # where a hung worker waits
+        import faulthandler
+        faulthandler.dump_traceback_later(float(os.environ['DIST_WORKER_TRACEBACK_AFTER']))
+    result = SCENARIOS[sys.argv[1]](**json.loads(sys.argv[2]))
+    print('RESULT ' + json.dumps(result), flush=True)

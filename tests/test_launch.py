@@ -1,0 +1,90 @@
+"""The launcher's process handling, with plain Python processes (no MXNet)."""
+import io
+import os
+import sys
+import time
+
+import pytest
+
+from gluon_syncbn.launch import EXIT_DEADLINE, Job, kvstore_commands, parse_args
+
+
+def python(code):
+    return [sys.executable, '-c', code]
+
+
+def run(commands, workers, deadline=30):
+    out = io.StringIO()
+    job = Job(commands, workers, deadline, out=out)
+    start = time.monotonic()
+    code = job.run()
+    return code, out.getvalue(), time.monotonic() - start, job
+
+
+def alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_output_is_prefixed_and_success_waits_for_every_worker():
+    code, out, _, _ = run([('worker 0', python('print("a")'), {}),
+                           ('worker 1', python('import time; time.sleep(0.5); print("b")'), {})],
+                          ['worker 0', 'worker 1'])
+    assert code == 0
+    assert '[worker 0] a' in out and '[worker 1] b' in out
+    assert 'job succeeded: all 2 workers finished' in out
+
+
+def test_a_failed_worker_ends_the_others_and_their_children_at_once():
+    sleeper = ('import subprocess, sys, time; '
+               'subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"]); '
+               'print("child started", flush=True); time.sleep(600)')
+    code, out, elapsed, job = run([('scheduler', python(sleeper), {}),
+                                   ('worker 0', python(sleeper), {}),
+                                   ('worker 1', python('import time, os, signal; time.sleep(1); '
+                                                       'os.kill(os.getpid(), signal.SIGKILL)'), {})],
+                                  ['worker 0', 'worker 1'])
+    assert code == 1
+    assert 'worker 1 (pid %d) failed with signal SIGKILL' % job.procs['worker 1'].pid in out
+    assert elapsed < 10
+    assert all(p.poll() is not None for p in job.procs.values())
+
+
+def test_the_deadline_ends_a_hung_job():
+    code, out, elapsed, job = run([('worker 0', python('import time; time.sleep(600)'), {})],
+                                  ['worker 0'], deadline=1)
+    assert code == EXIT_DEADLINE
+    assert 'the deadline of 1s passed' in out
+    assert elapsed < 10
+    assert not alive(job.procs['worker 0'].pid)
+
+
+def test_a_helper_that_dies_fails_the_job():
+    code, out, _, _ = run([('server 0', python('raise SystemExit(3)'), {}),
+                           ('worker 0', python('import time; time.sleep(600)'), {})],
+                          ['worker 0'])
+    assert code == 3
+    assert 'server 0' in out and 'exit code 3' in out
+
+
+def test_worker_environment_follows_the_ps_lite_recipe():
+    commands = kvstore_commands(2, 1, ['train.py'])
+    labels = [label for label, _, _ in commands]
+    assert labels == ['scheduler', 'server 0', 'worker 0', 'worker 1']
+    envs = {label: env for label, _, env in commands}
+    for env in envs.values():
+        assert env['DMLC_PS_ROOT_URI'] == '127.0.0.1' and env['DMLC_NODE_HOST'] == '127.0.0.1'
+        assert env['DMLC_NUM_WORKER'] == '2' and env['DMLC_NUM_SERVER'] == '1'
+    # ps-lite ranks workers by port: ascending ports give kv.rank == prefix index
+    assert int(envs['worker 0']['PORT']) < int(envs['worker 1']['PORT'])
+
+
+def test_arguments_after_the_script_belong_to_the_script():
+    args = parse_args(['-n', '2', 'train.py', '--epochs', '3', '-n', '5'])
+    assert args.num_workers == 2 and args.script == 'train.py'
+    assert args.args == ['--epochs', '3', '-n', '5']
+    with pytest.raises(SystemExit):
+        parse_args(['-n', '0', 'train.py'])
