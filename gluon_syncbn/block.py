@@ -9,7 +9,7 @@ from mxnet.gluon import HybridBlock
 from . import op as _op
 from . import registry
 from .transport import make_transport
-from .engine import is_naive_engine
+from .engine import is_naive_engine, mkldnn_active
 from .errors import SyncBatchNormError
 
 __all__ = ['SyncBatchNorm']
@@ -39,6 +39,23 @@ def _array_getter(block):
             found += [p.grad(ctx) for p in (layer.gamma, layer.beta) if p.grad_req != 'null']
         return found
     return arrays
+
+
+def _channel_affine(F, x, scale, shift, channels):
+    """``x * scale + shift`` per channel, for an (N, C, L) ``x`` and (1, C, 1) vectors.
+
+    With ``channels`` given, as a depthwise 1x1 convolution: the same maths,
+    and its weight and bias gradients are the per-channel sums of ``dy * x`` and
+    ``dy`` that broadcast_mul/add would give, but it runs in MKL-DNN's fused
+    kernels, 5-10x cheaper than those two, whose backward reductions dominated
+    the layer's time on CPU. ``channels=0``: the broadcast operators.
+    """
+    if channels <= 0:
+        return F.broadcast_add(F.broadcast_mul(x, scale), shift)
+    out = F.Convolution(F.expand_dims(x, axis=3), F.reshape(scale, shape=(-1, 1, 1, 1)),
+                        F.reshape(shift, shape=(-1,)), kernel=(1, 1), num_filter=channels,
+                        num_group=channels)
+    return F.reshape(out, shape=(0, 0, -1))
 
 
 class SyncBatchNorm(HybridBlock):
@@ -116,6 +133,7 @@ class SyncBatchNorm(HybridBlock):
         self._group = None
         self._input_dtype = 'float32'
         self._static_shape = False
+        self._fast_affine = False
         # Not at interpreter exit: the exit hook still needs the group then.
         weakref.finalize(self, registry.unregister, self._group_id).atexit = False
         if in_channels != 0:
@@ -172,6 +190,7 @@ class SyncBatchNorm(HybridBlock):
                 "SyncBatchNorm '%s': MXNET_ENGINE_TYPE=NaiveEngine runs operators one at a "
                 "time, so device 0 would wait forever for device 1. Unset it (use "
                 "ThreadedEnginePerDevice) or train on one device." % self.name)
+        self._fast_affine = mkldnn_active() and all(d.startswith('cpu') for d in devices)
         group = self._group
         if group is None or group.devices != devices:
             group = registry.SyncGroup(self._group_id, self.name, devices,
@@ -235,6 +254,14 @@ class SyncBatchNorm(HybridBlock):
             reduce_axes = dict(axis=(0, 2), keepdims=True)
         else:
             reduce_axes = dict(axis=axis, exclude=True, keepdims=True)
+        # Known in imperative mode; while a deferred-init graph is traced, only
+        # once the layer has run or got in_channels. The convolution only where
+        # MKL-DNN runs it (float32 on CPU): with MXNet's own CPU convolution,
+        # 20-layer nets on 4 CPU contexts deadlocked (GPUs: untested, so the
+        # broadcast operators there).
+        channels = 0
+        if axis == 1 and self._fast_affine and dtype != np.float64:
+            channels = x.shape[axis] if imperative else (self.gamma.shape or (0,))[0]
         m1 = F.mean(xs, **reduce_axes)
         xc = F.broadcast_sub(xs, m1)
         m2 = F.mean(xc, **reduce_axes)
@@ -247,7 +274,7 @@ class SyncBatchNorm(HybridBlock):
             static_shape=self._static_shape,
             input_dtype=dtype.name,
             name='sync')
-        out = F.broadcast_add(F.broadcast_mul(xc, scale), shift)
+        out = _channel_affine(F, xc, scale, shift, channels)
         if axis == 1:
             out = F.reshape_like(out, x)
         return F.Cast(out, dtype='float16') if half else out

@@ -11,10 +11,11 @@ last device's call of one layer than there are slots, so we raise the number
 of slots well above what a network issues there. The variables must be set
 before MXNet runs its first operator; importing gluon_syncbn first does that.
 """
+import functools
 import os
 import warnings
 
-__all__ = ['configure', 'ENGINE_SETTINGS', 'is_naive_engine']
+__all__ = ['configure', 'ENGINE_SETTINGS', 'is_naive_engine', 'mkldnn_active']
 
 # name -> value set when the user has not chosen one
 ENGINE_SETTINGS = {
@@ -40,3 +41,15 @@ def configure():
 
 def is_naive_engine():
     return os.environ.get('MXNET_ENGINE_TYPE', '') == 'NaiveEngine'
+
+
+@functools.lru_cache(maxsize=None)
+def mkldnn_active():
+    """True when MXNet runs CPU operators through MKL-DNN (the CPU wheel's default)."""
+    if os.environ.get('MXNET_MKLDNN_ENABLED', '1') == '0':
+        return False
+    import mxnet as mx
+    try:
+        return mx.runtime.Features().is_enabled('MKLDNN')
+    except Exception:  # pylint: disable=broad-except
+        return False

@@ -186,6 +186,9 @@ def train(backend, devices, sizes, steps=3, hybridize=False, image=8, seed=0, fa
             kind = 'running' if 'running' in name else 'param'
             for c in worker.ctxs:
                 note(kind, p.data(c).asnumpy(), rp.data().asnumpy())
+                if os.environ.get('SCENARIO_VERBOSE'):
+                    print('step', step, name, c, max_rel_err(p.data(c).asnumpy(),
+                                                             rp.data().asnumpy()), flush=True)
     return dict(errs, rank=worker.rank)
 
 
