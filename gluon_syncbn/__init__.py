@@ -12,7 +12,7 @@ import mxnet as _mx  # noqa: E402
 
 from .errors import SyncBatchNormError, SyncBatchNormTimeout  # noqa: E402
 from .hooks import (install_error_text_hook, install_exit_abort_hook,  # noqa: E402
-                    install_record_abort_hook)
+                    install_record_abort_hook, install_retrace_hook)
 from .block import SyncBatchNorm  # noqa: E402
 from .convert import convert_model, revert_model  # noqa: E402
 from .registry import SESSION as _SESSION  # noqa: E402
@@ -20,6 +20,7 @@ from .registry import SESSION as _SESSION  # noqa: E402
 install_error_text_hook(_mx.base.MXNetError)
 install_record_abort_hook(_mx.autograd._RecordingStateScope, _SESSION)
 install_exit_abort_hook(_SESSION, _mx.nd.waitall)
+install_retrace_hook(_mx.gluon.HybridBlock)
 
 
 def reset():

@@ -10,6 +10,7 @@ from . import op as _op
 from . import registry
 from .transport import make_transport
 from .engine import is_naive_engine, mkldnn_active
+from .hooks import request_retrace
 from .errors import SyncBatchNormError
 
 __all__ = ['SyncBatchNorm']
@@ -254,15 +255,19 @@ class SyncBatchNorm(HybridBlock):
             reduce_axes = dict(axis=(0, 2), keepdims=True)
         else:
             reduce_axes = dict(axis=axis, exclude=True, keepdims=True)
-        # Known in imperative mode; while a deferred-init graph is traced, only
-        # once the layer has run or got in_channels. The convolution only where
-        # MKL-DNN runs it (float32 on CPU): with MXNet's own CPU convolution,
-        # 20-layer nets on 4 CPU contexts deadlocked (GPUs: untested, so the
-        # broadcast operators there).
+        # The fast normalization needs the channel count: known in imperative
+        # mode; while a deferred-init graph is traced, not yet, so the graph is
+        # traced once more after its first call. Only where MKL-DNN runs it
+        # (float32 on CPU): with MXNet's own CPU convolution, 20-layer nets on 4
+        # CPU contexts deadlocked (GPUs: untested, so the broadcast operators).
         channels = 0
         if axis == 1 and self._fast_affine and dtype != np.float64:
             channels = x.shape[axis] if imperative else (self.gamma.shape or (0,))[0]
-        m1 = F.mean(xs, **reduce_axes)
+            if channels == 0:
+                request_retrace()
+        # The centre: a constant to autograd (the output does not depend on it),
+        # which spares a broadcast and a reduction in backward.
+        m1 = F.BlockGrad(F.mean(xs, **reduce_axes))
         xc = F.broadcast_sub(xs, m1)
         m2 = F.mean(xc, **reduce_axes)
         sqdev = F.mean(F.square(xc), **reduce_axes)

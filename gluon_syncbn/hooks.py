@@ -6,6 +6,9 @@
   half-way (say device 2's forward raised in user code): the SyncBatchNorm calls
   already issued for devices 0 and 1 would wait for partners that never come, so
   we abort the step and they fail at once instead of at the timeout.
+* A hybridized network is traced before deferred parameter shapes are known,
+  so a SyncBatchNorm traced then cannot use its fast normalization (it needs
+  the channel count); it asks for one re-trace, done after that first call.
 * At interpreter exit MXNet's own ``atexit`` handler stops the custom-operator
   threads and then waits for the engine; a SyncBatchNorm call still waiting, or
   failing, at that moment wedged it (2 of 3 runs hung). Ours, registered after
@@ -16,7 +19,8 @@ import atexit
 
 from .errors import SyncBatchNormError, take_failures
 
-__all__ = ['install_error_text_hook', 'install_record_abort_hook', 'install_exit_abort_hook']
+__all__ = ['install_error_text_hook', 'install_record_abort_hook', 'install_exit_abort_hook',
+           'install_retrace_hook', 'request_retrace']
 
 _CUSTOM_OP_MARKERS = ('kCustomOpForward', 'kCustomOpBackward', 'kCustomOpProp')
 
@@ -66,3 +70,28 @@ def install_exit_abort_hook(session, waitall):
             except Exception:  # pylint: disable=broad-except
                 pass  # the aborted step's error; the program is ending anyway
     atexit.register(abort_at_exit)
+
+
+_retrace_requested = [False]
+
+
+def request_retrace():
+    """Ask the hybridized block being traced now to trace again after this call."""
+    _retrace_requested[0] = True
+
+
+def install_retrace_hook(hybrid_block_class):
+    """After a cached graph's first call, drop it if a layer asked for a re-trace."""
+    if getattr(hybrid_block_class, '_gluon_syncbn_retrace_hooked', False):
+        return
+    original = hybrid_block_class._call_cached_op
+
+    def _call_cached_op(self, *args):
+        out = original(self, *args)
+        if _retrace_requested[0]:
+            _retrace_requested[0] = False
+            self._clear_cached_op()  # parameter shapes are known now
+        return out
+
+    hybrid_block_class._call_cached_op = _call_cached_op
+    hybrid_block_class._gluon_syncbn_retrace_hooked = True

@@ -119,7 +119,7 @@ class SyncBatchNormOp(mx.operator.CustomOp):
             self._fail(SyncBatchNormError(
                 "SyncBatchNorm '%s': backward through a call made in inference mode; record "
                 "the forward pass under autograd.record() (train_mode=True)." % self.group.name))
-        m1, m2 = _read(in_data[0]), _read(in_data[1])
+        m1 = _read(in_data[0])
         count = _count(in_data[3], channels)
         gamma = np.ones_like(m1) if self.fix_gamma else _read(in_data[4])
         inv_std = 1.0 / np.sqrt(var + self.eps)
@@ -128,9 +128,8 @@ class SyncBatchNormOp(mx.operator.CustomOp):
         key = ('bwd', int(token), int(call))
         total = self.group.barrier.exchange(key, self.device, (contribution, self.input_dtype),
                                             token=self.token)
-        d_m1, d_m2, d_v = stats.local_moment_grads(
-            total, contribution[:channels], count, n, mean, m1, m2)
-        _write(in_grad[0], req[0], d_m1)
+        d_m2, d_v = stats.local_moment_grads(total, count, n, mean, m1)
+        _write(in_grad[0], req[0], 0)  # m1 is a constant (BlockGrad in the block)
         _write(in_grad[1], req[1], d_m2)
         _write(in_grad[2], req[2], d_v)
         _write(in_grad[3], req[3], 0)

@@ -4,7 +4,10 @@ Every device summarizes its slice of the batch as *local moments* computed by
 MXNet's native reductions (see :mod:`gluon_syncbn.block`):
 
 ``m1``
-    the local mean of ``x`` per channel (a float32 estimate);
+    the local mean of ``x`` per channel (a float32 estimate), used as a
+    constant: the output does not depend on where we center, so no gradient
+    flows through ``m1`` (the block wraps it in BlockGrad, saving MXNet a
+    broadcast and a reduction in backward);
 ``m2``
     the mean of ``x - m1`` (the small correction that makes ``m1 + m2`` exact);
 ``v``
@@ -75,13 +78,15 @@ def backward_contribution(d_scale, d_shift, mean, m1, gamma, inv_std):
     return np.concatenate((d_delta, d_var)), d_gamma, d_shift
 
 
-def local_moment_grads(total, d_delta, count, n, mean, m1, m2):
-    """Gradients for this device's ``(m1, m2, v)`` from the summed backward vector."""
+def local_moment_grads(total, count, n, mean, m1):
+    """Gradients for this device's ``(m2, v)`` from the summed backward vector.
+
+    ``m1`` is a constant (see above), so these carry the whole gradient of the
+    statistics: ``dL/dx = dy*scale + d_m2/count + d_v*2*(x - m1)/count``.
+    """
     channels = total.size // 2
     g_delta, g_var = total[:channels], total[channels:]
     w = count / n
-    local_mean = m1 + m2
-    d_m1 = g_delta * w - d_delta + g_var * 2.0 * w * (local_mean - mean)
     d_m2 = g_delta * w + g_var * 2.0 * w * (m1 - mean)
     d_v = g_var * w
-    return d_m1, d_m2, d_v
+    return d_m2, d_v

@@ -37,6 +37,10 @@ CASES = {
     'N3-float64': dict(shape=[7, 3, 4, 5], sizes=[3, 2, 2], dtype='float64'),
     'N2-float64-hybrid': dict(shape=[6, 3, 4, 5], sizes=[2, 4], dtype='float64',
                               hybridize=True),
+    'N3-deferred-hybrid': dict(shape=[7, 3, 4, 5], sizes=[3, 2, 2], hybridize=True,
+                               deferred=True),
+    'N2-deferred-static': dict(shape=[6, 3, 4, 5], sizes=[2, 4], hybridize='static',
+                               deferred=True),
 }
 IDS = list(CASES)
 
@@ -58,6 +62,15 @@ def test_matches_full_batch_reference(results, case):
         assert errs[name] < F32, (name, errs)
     assert errs['replicas_identical'] == 1.0
     assert errs['out_dtype_ok'] == 1.0
+
+
+@pytest.mark.parametrize('case,fast', [('N2-hybrid', 1.0), ('N3-deferred-hybrid', 1.0),
+                                       ('N2-deferred-static', 1.0), ('N4-hybrid-nhwc', 0.0)])
+def test_hybridized_graphs_normalize_with_the_fast_convolution(results, case, fast):
+    # float32, axis 1, MKL-DNN: a depthwise convolution, also when the graph was
+    # first traced before the channel count was known (it is traced again);
+    # channels-last keeps the broadcast operators.
+    assert result_of(results, IDS.index(case))['graph_uses_convolution'] == fast
 
 
 def test_float32_cases_were_compared_with_nn_batchnorm(results):

@@ -42,11 +42,10 @@ def sync_bn(parts, dys, gamma, beta, eps=1e-5):
     dxs = []
     for p, dy, xc, m1, m2, scale, contribution in saved:
         count = p.size // p.shape[1]
-        d_m1, d_m2, d_v = stats.local_moment_grads(
-            btotal, contribution[:len(m1)], count, n, mean, m1, m2)
+        d_m2, d_v = stats.local_moment_grads(btotal, count, n, mean, m1)
         b = lambda a: a.reshape(1, -1, 1, 1)  # noqa: E731
-        dxc = dy * b(scale) + b(d_m2) / count + b(d_v) * 2 * xc / count
-        dxs.append(dxc + b(d_m1 - dxc.sum(axis=(0, 2, 3))) / count)
+        # m1 is a constant: no term through it
+        dxs.append(dy * b(scale) + b(d_m2) / count + b(d_v) * 2 * xc / count)
     d_gamma = sum(g for g, _ in bwd)
     d_beta = sum(b_ for _, b_ in bwd)
     return np.concatenate(ys), np.concatenate(dxs), d_gamma, d_beta, mean, var
