@@ -126,14 +126,17 @@ class Job(object):
         self.stop()
 
     def stop(self):
-        """End every process group still running: SIGTERM, then SIGKILL after 3 s."""
+        """End every process group: SIGTERM, then SIGKILL after 3 s.
+
+        Groups of processes that already exited too: their children may live on.
+        """
         for sig, wait in ((signal.SIGTERM, 3.0), (signal.SIGKILL, 5.0)):
             running = [p for p in self.procs.values() if p.poll() is None]
-            for proc in running:
+            for proc in self.procs.values():
                 try:
                     os.killpg(proc.pid, sig)
-                except ProcessLookupError:
-                    pass
+                except (ProcessLookupError, PermissionError):
+                    pass  # the group is gone
             end = time.monotonic() + wait
             while time.monotonic() < end and any(p.poll() is None for p in running):
                 time.sleep(0.05)

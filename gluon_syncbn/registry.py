@@ -152,7 +152,7 @@ class SyncGroup(object):
 
     def attach(self, channels):
         """Prepare the transport for this layer (main thread, at its first call)."""
-        self.transport.attach(self.group_id, channels)
+        self.transport.attach(self.group_id, self.name, channels)
 
     def running_params(self, device):
         """The running mean and variance arrays of ``device`` (the layer's own)."""

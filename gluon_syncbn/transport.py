@@ -54,7 +54,7 @@ class LocalTransport(object):
     name = 'local'
     cross_process = False
 
-    def attach(self, group_id, channels):
+    def attach(self, group_id, layer_name, channels):
         """Nothing to set up in one process."""
 
     def allreduce(self, group_id, key, vector, timeout):
@@ -66,9 +66,9 @@ class _CrossProcessTransport(object):
     """Slots, check numbers, bounded waits and fatal failures; engines subclass it.
 
     Subclasses set ``name``, ``rank`` and ``num_workers`` and implement
-    ``_init_slot(slot, size)`` (main thread, collective) and
-    ``_start(slot, direction, vector) -> wait`` where ``wait()`` blocks until
-    the sum is there and returns it as a NumPy array.
+    ``_init_slot(slot, forward_size, backward_size)`` (main thread, collective)
+    and ``_start(slot, direction, vector) -> wait`` where ``wait()`` blocks
+    until the sum is there and returns it as a NumPy array.
     """
 
     cross_process = True
@@ -76,15 +76,17 @@ class _CrossProcessTransport(object):
     def __init__(self):
         self._lock = threading.RLock()
         self._slots = {}
+        self._layers = {}  # slot -> name for messages
         self._broken = None
         self.exit_grace = float(os.environ.get('GLUON_SYNCBN_EXIT_GRACE', DEFAULT_EXIT_GRACE))
 
-    def attach(self, group_id, channels):
+    def attach(self, group_id, layer_name, channels):
         """Give the layer a slot; must run on the main thread, in network order."""
         if group_id in self._slots:
             return
         with self._lock:
             slot = len(self._slots)
+            self._layers[slot] = "'%s' (slot %d)" % (layer_name, slot)
             # forward vectors: count, C sums of means, C sums of variances
             self._init_slot(slot, _CHECKS + 1 + 2 * channels, _CHECKS + 2 * channels)
             self._slots[group_id] = slot
@@ -111,9 +113,9 @@ class _CrossProcessTransport(object):
             raise self._fatal(exc)
         except Exception as exc:  # pylint: disable=broad-except
             raise self._fatal(SyncBatchNormError(
-                'SyncBatchNorm: the %s reduction of layer slot %d failed in %s: %s: %s. '
+                'SyncBatchNorm: the %s reduction of layer %s failed in %s: %s: %s. '
                 'Another worker probably died; see its log.' % (
-                    direction, slot, self.name, type(exc).__name__, exc)))
+                    direction, self._layers[slot], self.name, type(exc).__name__, exc)))
         expected = checks * self.num_workers
         if not np.array_equal(total[:_CHECKS], expected):
             raise self._fatal(SyncBatchNormError(self._mismatch_message(
@@ -121,9 +123,10 @@ class _CrossProcessTransport(object):
         return total[_CHECKS:]
 
     def _mismatch_message(self, direction, slot, checks, got, expected):
-        where = 'SyncBatchNorm: at the %s reduction of layer slot %d, the %d workers\' ' \
+        where = 'SyncBatchNorm: at the %s reduction of layer %s, the %d workers\' ' \
                 'check numbers add up to %s instead of %s (channels, call number). ' % (
-                    direction, slot, self.num_workers, got.tolist(), expected.tolist())
+                    direction, self._layers[slot], self.num_workers, got.tolist(),
+                    expected.tolist())
         if not np.array_equal(got, np.round(got)):
             return where + ('The kvstore changed our sums: it applies an optimizer to every '
                             'key. Create the Trainer with update_on_kvstore=False.')
@@ -149,10 +152,11 @@ class _CrossProcessTransport(object):
         if not done.wait(timeout):
             raise SyncBatchNormTimeout(
                 'SyncBatchNorm: worker %d of %d waited %gs for the other workers at the %s '
-                'reduction #%d of layer slot %d (%s). A worker died, hangs, or runs a '
+                'reduction #%d of layer %s (%s). A worker died, hangs, or runs a '
                 'different number of training calls; see the other workers\' logs. Raise '
                 'timeout= (or GLUON_SYNCBN_TIMEOUT) if a worker is just slow.' % (
-                    self.rank, self.num_workers, timeout, direction, call, slot, self.name))
+                    self.rank, self.num_workers, timeout, direction, call,
+                    self._layers[slot], self.name))
         if 'error' in box:
             raise box['error']
         return np.asarray(box['value'], dtype=np.float64).ravel()

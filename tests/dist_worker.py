@@ -22,7 +22,7 @@ import mxnet as mx  # noqa: E402
 from mxnet import autograd, gluon  # noqa: E402
 
 from gluon_syncbn import SyncBatchNorm, convert_model  # noqa: E402
-from tests.reference import batchnorm_float64, max_rel_err  # noqa: E402
+from tests.reference import WorstErrors, batchnorm_float64, max_rel_err  # noqa: E402
 from tests.scenarios import build, copy_params, split_batch  # noqa: E402
 
 
@@ -74,11 +74,8 @@ def layer(backend, devices, sizes, shape=(3, 4, 5), axis=1, steps=2, hybridize=F
     bn.beta.set_data(mx.nd.array(beta))
     if hybridize:
         bn.hybridize()
-    errs = {}
+    errs = WorstErrors()
     run_mean, run_var = np.zeros(channels), np.ones(channels)
-
-    def note(name, actual, expected):
-        errs[name] = max(errs.get(name, 0.0), max_rel_err(actual, expected))
 
     red = tuple(i for i in range(len(full)) if i != axis % len(full))
     for _ in range(steps):
@@ -99,13 +96,13 @@ def layer(backend, devices, sizes, shape=(3, 4, 5), axis=1, steps=2, hybridize=F
         dbeta_mine = worker.rows(dy).astype(np.float64).sum(axis=red)
         run_mean = run_mean * 0.9 + mean64 * 0.1
         run_var = run_var * 0.9 + var64 * 0.1
-        note('y', np.concatenate([a.asnumpy() for a in ys]), worker.rows(y64))
-        note('dx', np.concatenate([a.grad.asnumpy() for a in xs]), worker.rows(dx64))
-        note('dgamma', sum(bn.gamma.grad(c).asnumpy() for c in worker.ctxs), dgamma_mine)
-        note('dbeta', sum(bn.beta.grad(c).asnumpy() for c in worker.ctxs), dbeta_mine)
+        errs.note('y', np.concatenate([a.asnumpy() for a in ys]), worker.rows(y64))
+        errs.note('dx', np.concatenate([a.grad.asnumpy() for a in xs]), worker.rows(dx64))
+        errs.note('dgamma', sum(bn.gamma.grad(c).asnumpy() for c in worker.ctxs), dgamma_mine)
+        errs.note('dbeta', sum(bn.beta.grad(c).asnumpy() for c in worker.ctxs), dbeta_mine)
         for c in worker.ctxs:
-            note('running_mean', bn.running_mean.data(c).asnumpy(), run_mean)
-            note('running_var', bn.running_var.data(c).asnumpy(), run_var)
+            errs.note('running_mean', bn.running_mean.data(c).asnumpy(), run_mean)
+            errs.note('running_var', bn.running_var.data(c).asnumpy(), run_var)
     return dict(errs, rank=worker.rank)
 
 
@@ -154,10 +151,7 @@ def train(backend, devices, sizes, steps=3, hybridize=False, image=8, seed=0, fa
                                 {'learning_rate': 0.1, 'momentum': 0.9, 'wd': 1e-4})
     # Horovod averages over workers: scale the batch size to get the global mean
     step_batch = batch / worker.num_workers if worker.kvstore == 'horovod' else batch
-    errs = {}
-
-    def note(name, actual, expected):
-        errs[name] = max(errs.get(name, 0.0), max_rel_err(actual, expected))
+    errs = WorstErrors()
 
     for step in range(steps):
         x = rng.randn(batch, 3, image, image).astype(np.float32)
@@ -181,11 +175,12 @@ def train(backend, devices, sizes, steps=3, hybridize=False, image=8, seed=0, fa
                                mx.nd.array(label, dtype='float64'))
         ref_loss.backward()
         ref_trainer.step(batch)
-        note('loss', np.concatenate([l.asnumpy() for l in losses]), worker.rows(ref_loss.asnumpy()))
+        errs.note('loss', np.concatenate([l.asnumpy() for l in losses]),
+                  worker.rows(ref_loss.asnumpy()))
         for (name, p), rp in zip(net.collect_params().items(), ref.collect_params().values()):
             kind = 'running' if 'running' in name else 'param'
             for c in worker.ctxs:
-                note(kind, p.data(c).asnumpy(), rp.data().asnumpy())
+                errs.note(kind, p.data(c).asnumpy(), rp.data().asnumpy())
                 if os.environ.get('SCENARIO_VERBOSE'):
                     print('step', step, name, c, max_rel_err(p.data(c).asnumpy(),
                                                              rp.data().asnumpy()), flush=True)

@@ -32,3 +32,10 @@ def max_rel_err(actual, expected):
     expected = np.asarray(expected, np.float64)
     scale = max(np.abs(expected).max(), 1e-12)
     return float(np.abs(actual - expected).max() / scale)
+
+
+class WorstErrors(dict):
+    """Worst relative error per quantity over a run: ``errs.note(name, actual, expected)``."""
+
+    def note(self, name, actual, expected):
+        self[name] = max(self.get(name, 0.0), max_rel_err(actual, expected))

@@ -16,7 +16,7 @@ import mxnet as mx
 from mxnet import autograd, gluon
 
 from gluon_syncbn import SyncBatchNorm
-from tests.reference import batchnorm_float64, max_rel_err
+from tests.reference import WorstErrors, batchnorm_float64, max_rel_err
 
 SCENARIOS = {}
 VERBOSE = bool(os.environ.get('SCENARIO_VERBOSE'))
@@ -69,12 +69,9 @@ def layer_vs_reference(shape, sizes, axis=1, dtype='float32', hybridize=False, s
     ref.gamma.set_data(mx.nd.array(gamma))
     ref.beta.set_data(mx.nd.array(beta))
 
-    errs = {}
+    errs = WorstErrors()
     run_mean = np.zeros(channels)
     run_var = np.ones(channels)
-
-    def note(name, actual, expected):
-        errs[name] = max(errs.get(name, 0.0), max_rel_err(actual, expected))
 
     for _ in range(steps):
         x = (rng.randn(*shape) * rng.uniform(0.5, 3) + offset).astype(dtype)
@@ -95,13 +92,13 @@ def layer_vs_reference(shape, sizes, axis=1, dtype='float32', hybridize=False, s
         y64, dx64, dg64, db64, mean64, var64 = batchnorm_float64(x, dy, gamma, beta, axis)
         run_mean = run_mean * momentum + mean64 * (1 - momentum)
         run_var = run_var * momentum + var64 * (1 - momentum)
-        note('y', y, y64)
-        note('dx', dx, dx64)
-        note('dgamma', dgamma, dg64)
-        note('dbeta', dbeta, db64)
+        errs.note('y', y, y64)
+        errs.note('dx', dx, dx64)
+        errs.note('dgamma', dgamma, dg64)
+        errs.note('dbeta', dbeta, db64)
         for c in ctxs:
-            note('running_mean', bn.running_mean.data(c).asnumpy(), run_mean)
-            note('running_var', bn.running_var.data(c).asnumpy(), run_var)
+            errs.note('running_mean', bn.running_mean.data(c).asnumpy(), run_mean)
+            errs.note('running_var', bn.running_var.data(c).asnumpy(), run_var)
         errs['replicas_identical'] = float(all(
             (bn.running_mean.data(c).asnumpy() == bn.running_mean.data(ctxs[0]).asnumpy()).all()
             and (bn.running_var.data(c).asnumpy() == bn.running_var.data(ctxs[0]).asnumpy()).all()
@@ -114,13 +111,13 @@ def layer_vs_reference(shape, sizes, axis=1, dtype='float32', hybridize=False, s
             with autograd.record():
                 yf = ref(xf)
             yf.backward(mx.nd.array(dy, ctx=mx.cpu(0)))
-            note('y_vs_nn', y, yf.asnumpy())
-            note('dx_vs_nn', dx, xf.grad.asnumpy())
-            note('dgamma_vs_nn', dgamma, ref.gamma.grad().asnumpy())
-            note('dbeta_vs_nn', dbeta, ref.beta.grad().asnumpy())
-            note('running_mean_vs_nn', bn.running_mean.data(ctxs[0]).asnumpy(),
+            errs.note('y_vs_nn', y, yf.asnumpy())
+            errs.note('dx_vs_nn', dx, xf.grad.asnumpy())
+            errs.note('dgamma_vs_nn', dgamma, ref.gamma.grad().asnumpy())
+            errs.note('dbeta_vs_nn', dbeta, ref.beta.grad().asnumpy())
+            errs.note('running_mean_vs_nn', bn.running_mean.data(ctxs[0]).asnumpy(),
                  ref.running_mean.data().asnumpy())
-            note('running_var_vs_nn', bn.running_var.data(ctxs[0]).asnumpy(),
+            errs.note('running_var_vs_nn', bn.running_var.data(ctxs[0]).asnumpy(),
                  ref.running_var.data().asnumpy())
     errs['out_dtype_ok'] = float(all(a.dtype == np.dtype(dtype) for a in ys))
     if hybridize:
@@ -235,10 +232,7 @@ def train_vs_single_device(arch='conv', sizes=(2, 2), steps=3, hybridize=False, 
     loss_fn = gluon.loss.SoftmaxCrossEntropyLoss()
     ref_trainer = gluon.Trainer(ref.collect_params(), optimizer, dict(opt_args))
     trainer = gluon.Trainer(net.collect_params(), optimizer, dict(opt_args))
-    errs = {}
-
-    def note(name, actual, expected):
-        errs[name] = max(errs.get(name, 0.0), max_rel_err(actual, expected))
+    errs = WorstErrors()
 
     for _ in range(steps):
         x = rng.randn(batch, 3, image, image).astype(np.float32)
@@ -258,11 +252,11 @@ def train_vs_single_device(arch='conv', sizes=(2, 2), steps=3, hybridize=False, 
         ref_loss.backward()
         ref_trainer.step(batch)
         mx.nd.waitall()
-        note('loss', loss, ref_loss.asnumpy())
+        errs.note('loss', loss, ref_loss.asnumpy())
         for (name, p), rp in zip(net.collect_params().items(), ref.collect_params().values()):
             kind = 'running' if 'running' in name else 'param'
             for c in ctxs:
-                note(kind, p.data(c).asnumpy(), rp.data().asnumpy())
+                errs.note(kind, p.data(c).asnumpy(), rp.data().asnumpy())
                 if VERBOSE:
                     print(name, c, max_rel_err(p.data(c).asnumpy(), rp.data().asnumpy()),
                           np.abs(rp.data().asnumpy()).max(), file=sys.stderr)

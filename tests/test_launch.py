@@ -42,10 +42,10 @@ def test_a_failed_worker_ends_the_others_and_their_children_at_once():
     sleeper = ('import subprocess, sys, time; '
                'subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"]); '
                'print("child started", flush=True); time.sleep(600)')
+    suicide = 'import time, os, signal; time.sleep(1); os.kill(os.getpid(), signal.SIGKILL)'
     code, out, elapsed, job = run([('scheduler', python(sleeper), {}),
                                    ('worker 0', python(sleeper), {}),
-                                   ('worker 1', python('import time, os, signal; time.sleep(1); '
-                                                       'os.kill(os.getpid(), signal.SIGKILL)'), {})],
+                                   ('worker 1', python(suicide), {})],
                                   ['worker 0', 'worker 1'])
     assert code == 1
     assert 'worker 1 (pid %d) failed with signal SIGKILL' % job.procs['worker 1'].pid in out
