@@ -142,6 +142,11 @@ def main():
              'nn.BatchNorm and SyncBatchNorm alternate within each worker.' % (
                  time.strftime('%Y-%m-%d'), platform.machine(), platform.python_version(),
                  os.cpu_count(), args.steps), '',
+             '`call`: one layer, forward + backward on a (2, 8, 4, 4) slice per device, '
+             'waited for. `step`: a training step of the small net. In `step` rows across '
+             'workers the SyncBatchNorm net\'s Trainer also all-reduces gradients across '
+             'workers, while the nn.BatchNorm net trains each worker alone (one kvstore '
+             'cannot serve two Trainers), so those ratios include gradient communication.', '',
              '| workload | mode | setup | nn.BatchNorm ms | SyncBatchNorm ms | ratio |',
              '|---|---|---|---|---|---|']
     lines += ['| %s | %s | %s | %.2f | %.2f | %.2fx |' % row for row in rows]
