@@ -266,8 +266,8 @@ class SyncBatchNorm(HybridBlock):
             channels = x.shape[axis] if imperative else (self.gamma.shape or (0,))[0]
             if channels == 0:
                 request_retrace()
-        # The centre: a constant to autograd (the output does not depend on it),
-        # which spares a broadcast and a reduction in backward.
+        # The centre is a constant to autograd: the output does not depend on
+        # it, so the gradient reaches x through m2, sqdev and xc alone.
         m1 = F.BlockGrad(F.mean(xs, **reduce_axes))
         xc = F.broadcast_sub(xs, m1)
         m2 = F.mean(xc, **reduce_axes)

@@ -6,8 +6,7 @@ MXNet's native reductions (see :mod:`gluon_syncbn.block`):
 ``m1``
     the local mean of ``x`` per channel (a float32 estimate), used as a
     constant: the output does not depend on where we center, so no gradient
-    flows through ``m1`` (the block wraps it in BlockGrad, saving MXNet a
-    broadcast and a reduction in backward);
+    flows through ``m1`` (the block wraps it in BlockGrad);
 ``m2``
     the mean of ``x - m1`` (the small correction that makes ``m1 + m2`` exact);
 ``v``

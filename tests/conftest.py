@@ -44,8 +44,8 @@ def run_scenario(name, timeout=120, env=None, crash_retries=0, **kwargs):
     (segfault, heap corruption) up to that many times. Only the fault tests use
     it: several custom operators failing at the same moment on different engine
     threads very rarely (about 1 in 50 runs of the dtype-mismatch case) crash
-    MXNet 1.9.1's engine in its exception propagation. A wrong answer, a
-    missing message or a hang still fails at once.
+    MXNet 1.9.1 natively (we suspect its exception propagation between engine
+    threads). A wrong answer, a missing message or a hang still fails at once.
     """
     proc = _run([name, json.dumps(kwargs)], timeout, env)
     for line in proc.stdout.splitlines():
