@@ -267,8 +267,7 @@ def _serialize_calls(kvstore, lock):
 
     MXNet's dist kvstore front end keeps per-key buffers in unguarded C++ maps.
     Our reductions are issued from custom-op threads while the main thread
-    issues the Trainer's, and the Trainer's first calls insert into those maps:
-    unserialized, a worker's first update came out wrong in about half the runs.
+    issues the Trainer's, and the Trainer's first calls insert into those maps.
 
     Issuing a push or pull is asynchronous, so the lock is held briefly. ``init``
     and ``broadcast`` block until the store holds the value, which may wait for
@@ -277,7 +276,7 @@ def _serialize_calls(kvstore, lock):
     They also drain afterwards: a broadcast's pull still in flight when the same
     key's first pushpull is issued can land in the wrong array (MXNet 1.9.1
     reuses one per-key buffer for both). Plain Gluon with a dist_sync Trainer
-    diverged across workers in 4 of 12 loaded runs that way; draining after
+    diverged across workers in 9 of 16 loaded runs that way; draining after
     the Trainer's lazy initialization, 0 of 12.
     The wrappers reach the store through a weak reference, so the store is
     still destroyed when the user drops it.
