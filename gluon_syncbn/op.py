@@ -17,8 +17,11 @@ and of its backward::
     d scale, d shift --> backward_contribution --> barrier (key of call #k)
         --> sum + transport --> local_moment_grads, d gamma, d beta
 """
+import ctypes
+
 import numpy as np
 import mxnet as mx
+from mxnet.base import _LIB, check_call
 from mxnet.ndarray.ndarray import _DTYPE_MX_TO_NP
 
 from . import stats
@@ -31,14 +34,36 @@ OP_TYPE = '_gluon_syncbn'
 _INFO_HEAD = 3
 
 
+def _host_view(arr):
+    """A NumPy view of a CPU NDArray's own memory, or None for other devices.
+
+    Inside a callback MXNet's engine already holds this operator's write access
+    to its outputs, input gradients and auxiliary states, so writing the memory
+    directly is safe; ``arr[:] = value`` would push a synchronous copy through
+    the engine (about 130 us each, two thirds of our fixed cost per call).
+    """
+    if arr.context.device_type != 'cpu':
+        return None
+    ptr = ctypes.c_void_p()
+    check_call(_LIB.MXNDArrayGetData(arr.handle, ctypes.byref(ptr)))
+    dtype = np.dtype(arr.dtype)
+    size = int(np.prod(arr.shape))
+    buf = (ctypes.c_char * (size * dtype.itemsize)).from_address(ptr.value)
+    return np.frombuffer(buf, dtype=dtype).reshape(arr.shape)
+
+
 def _write(dst, req, value):
     """Store a NumPy value into a callback array without issuing an operator."""
     if req == 'null':
         return
     value = np.asarray(value, dtype=dst.dtype).reshape(dst.shape)
-    if req == 'add':
-        value = value + dst.asnumpy()
-    dst[:] = value
+    view = _host_view(dst)
+    if view is None:
+        dst[:] = value + dst.asnumpy() if req == 'add' else value
+    elif req == 'add':
+        view += value
+    else:
+        view[...] = value
 
 
 def _read(arr):
@@ -96,8 +121,14 @@ class SyncBatchNormOp(mx.operator.CustomOp):
         mom = self.momentum
         new = [(_read(aux[0]) * mom + mean * (1.0 - mom)).astype(aux[0].dtype),
                (_read(aux[1]) * mom + var * (1.0 - mom)).astype(aux[1].dtype)]
-        aux[0][:] = new[0]
-        aux[1][:] = new[1]
+        if self.static_shape:
+            # There MXNet holds no write access to auxiliary states for us (see
+            # below): write through the engine, which orders us after readers.
+            aux[0][:] = new[0]
+            aux[1][:] = new[1]
+        else:
+            _write(aux[0], 'write', new[0])
+            _write(aux[1], 'write', new[1])
         if self.static_shape and self.device == 0:
             # MXNet 1.9.1's static_shape executor registers auxiliary states as
             # read-only dependencies, so nothing orders later readers (the
