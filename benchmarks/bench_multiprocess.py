@@ -25,6 +25,8 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 sys.path.insert(0, HERE)
 
+from bench import median  # noqa: E402
+
 
 def worker(cfg):
     """Runs inside each process of a configuration; prints one RESULT line."""
@@ -85,11 +87,6 @@ def worker(cfg):
             if i >= cfg['warmup']:
                 times[name].append(time.perf_counter() - start)
     print('RESULT ' + json.dumps({'rank': rank, 'times': times}), flush=True)
-
-
-def median(xs):
-    xs = sorted(xs)
-    return xs[len(xs) // 2]
 
 
 def run_config(cfg, timeout):

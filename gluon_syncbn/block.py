@@ -191,10 +191,10 @@ class SyncBatchNorm(HybridBlock):
                 "SyncBatchNorm '%s': MXNET_ENGINE_TYPE=NaiveEngine runs operators one at a "
                 "time, so device 0 would wait forever for device 1. Unset it (use "
                 "ThreadedEnginePerDevice) or train on one device." % self.name)
-        self._fast_affine = (mkldnn_active() and all(d.startswith('cpu') for d in devices)
-                             and os.environ.get('GLUON_SYNCBN_CONV_NORMALIZE', '1') != '0')
         group = self._group
         if group is None or group.devices != devices:
+            self._fast_affine = (mkldnn_active() and all(d.startswith('cpu') for d in devices)
+                                 and os.environ.get('GLUON_SYNCBN_CONV_NORMALIZE', '1') != '0')
             group = registry.SyncGroup(self._group_id, self.name, devices,
                                        self._kwargs['axis'], self._timeout,
                                        transport=self._transport,

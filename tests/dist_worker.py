@@ -26,6 +26,9 @@ from tests.reference import WorstErrors, batchnorm_float64, max_rel_err  # noqa:
 from tests.scenarios import build, copy_params, split_batch  # noqa: E402
 
 
+SGD = {'learning_rate': 0.1, 'momentum': 0.9, 'wd': 1e-4}  # workers and reference alike
+
+
 class Worker(object):
     """This process's place in the job: backend, rank, devices and batch slices.
 
@@ -107,12 +110,11 @@ def layer(backend, devices, sizes, shape=(3, 4, 5), axis=1, steps=2, hybridize=F
 
 
 def _trainer(worker, net, update_on_kvstore):
-    opt = {'learning_rate': 0.1, 'momentum': 0.9, 'wd': 1e-4}
     if worker.kvstore == 'horovod':
         # Horovod averages gradients over workers and reduces only the first
         # context's: one device per worker.
-        return worker.hvd.DistributedTrainer(net.collect_params(), 'sgd', opt)
-    return gluon.Trainer(net.collect_params(), 'sgd', opt, kvstore=worker.kvstore,
+        return worker.hvd.DistributedTrainer(net.collect_params(), 'sgd', dict(SGD))
+    return gluon.Trainer(net.collect_params(), 'sgd', dict(SGD), kvstore=worker.kvstore,
                          update_on_kvstore=update_on_kvstore)
 
 
@@ -147,8 +149,7 @@ def train(backend, devices, sizes, steps=3, hybridize=False, image=8, seed=0, fa
         ref.hybridize()
     loss_fn = gluon.loss.SoftmaxCrossEntropyLoss()
     trainer = _trainer(worker, net, update_on_kvstore)
-    ref_trainer = gluon.Trainer(ref.collect_params(), 'sgd',
-                                {'learning_rate': 0.1, 'momentum': 0.9, 'wd': 1e-4})
+    ref_trainer = gluon.Trainer(ref.collect_params(), 'sgd', dict(SGD))
     # Horovod averages over workers: scale the batch size to get the global mean
     step_batch = batch / worker.num_workers if worker.kvstore == 'horovod' else batch
     errs = WorstErrors()
