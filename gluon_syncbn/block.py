@@ -10,7 +10,7 @@ from . import op as _op
 from . import registry
 from .transport import make_transport
 from .engine import is_naive_engine, mkldnn_active
-from .hooks import request_retrace
+from .hooks import CENTER_OP, request_retrace
 from .errors import SyncBatchNormError
 
 __all__ = ['SyncBatchNorm']
@@ -42,21 +42,62 @@ def _array_getter(block):
     return arrays
 
 
-def _channel_affine(F, x, scale, shift, channels):
-    """``x * scale + shift`` per channel, for an (N, C, L) ``x`` and (1, C, 1) vectors.
+def _channel_affine(F, x, scale, shift, channels, name=None):
+    """``x * scale + shift`` per channel, for ``x`` in the layer's working view
+    and ``scale``, ``shift`` of shape (1, C, 1, ...) like the means.
 
-    With ``channels`` given, as a depthwise 1x1 convolution: the same maths,
-    and its weight and bias gradients are the per-channel sums of ``dy * x`` and
-    ``dy`` that broadcast_mul/add would give, but it runs in MKL-DNN's fused
-    kernels, 5-10x cheaper than those two, whose backward reductions dominated
-    the layer's time on CPU. ``channels=0``: the broadcast operators.
+    With ``channels`` given (``x`` is then (N, C, 1, L)), as a depthwise 1x1
+    convolution: the same maths, and its weight and bias gradients are the
+    per-channel sums of ``dy * x`` and ``dy`` that broadcast_mul/add would give,
+    but it runs in MKL-DNN's fused kernels, 5-10x cheaper than those two, whose
+    backward reductions dominated the layer's time on CPU. ``channels=0``: the
+    broadcast operators.
     """
     if channels <= 0:
         return F.broadcast_add(F.broadcast_mul(x, scale), shift)
-    out = F.Convolution(F.expand_dims(x, axis=3), F.reshape(scale, shape=(-1, 1, 1, 1)),
-                        F.reshape(shift, shape=(-1,)), kernel=(1, 1), num_filter=channels,
-                        num_group=channels)
-    return F.reshape(out, shape=(0, 0, -1))
+    return F.Convolution(x, F.reshape(scale, shape=(-1, 1, 1, 1)),
+                         F.reshape(shift, shape=(-1,)), kernel=(1, 1), num_filter=channels,
+                         num_group=channels, name=name)
+
+
+class _ChannelMeans(object):
+    """Per-channel means of tensors shaped like ``like``, as the operator takes them.
+
+    ``fast=False``: MXNet's ``mean`` over every axis but the channel ``axis``.
+    ``fast=True`` (``like`` is the (N, C, 1, L) view): the means of each
+    (sample, channel) row, shape (N, C, 1, 1): FullyConnected over the last
+    axis with a constant ``1/L`` row, whose forward and backward run as MKL
+    GEMV/GEMM, 4-5x cheaper on CPU than ``mean``, which reduces over
+    non-contiguous axes. The operator averages the N rows itself (all have L
+    elements). Every operator here that needs MXNet's temp space (reductions,
+    FullyConnected, reshapes of MKL-DNN arrays) holds one more shared slot, which
+    matters for the deadlock bound (see :mod:`gluon_syncbn.engine`), so none
+    reduces over N or reshapes the data.
+    """
+
+    def __init__(self, F, like, fast, axis=1):
+        self._F = F
+        self._fast = fast
+        self._axis = axis
+        if fast:
+            row = F.reshape(F.slice(like, begin=(0, 0, 0, None), end=(1, 1, 1, None)),
+                            shape=(1, -1))
+            ones = F.BlockGrad(F.ones_like(row))
+            self._weight = F.broadcast_div(ones, F.sum(ones))  # (1, L) of 1/L
+
+    def __call__(self, x):
+        F = self._F
+        if not self._fast:
+            return F.mean(x, axis=self._axis, exclude=True, keepdims=True)
+        return F.FullyConnected(x, self._weight, num_hidden=1, no_bias=True, flatten=False)
+
+    def centre(self, x):
+        """A (1, C, 1, ...) estimate of the mean to centre on; any estimate within
+        a few standard deviations keeps the moments free of cancellation. Fast:
+        the first sample's mean (1/N of the data)."""
+        if not self._fast:
+            return self(x)
+        return self(self._F.slice_axis(x, axis=0, begin=0, end=1))
 
 
 class SyncBatchNorm(HybridBlock):
@@ -134,7 +175,7 @@ class SyncBatchNorm(HybridBlock):
         self._group = None
         self._input_dtype = 'float32'
         self._static_shape = False
-        self._fast_affine = False
+        self._fast_ops = False
         # Not at interpreter exit: the exit hook still needs the group then.
         weakref.finalize(self, registry.unregister, self._group_id).atexit = False
         if in_channels != 0:
@@ -193,7 +234,7 @@ class SyncBatchNorm(HybridBlock):
                 "ThreadedEnginePerDevice) or train on one device." % self.name)
         group = self._group
         if group is None or group.devices != devices:
-            self._fast_affine = (mkldnn_active() and all(d.startswith('cpu') for d in devices)
+            self._fast_ops = (mkldnn_active() and all(d.startswith('cpu') for d in devices)
                                  and os.environ.get('GLUON_SYNCBN_CONV_NORMALIZE', '1') != '0')
             group = registry.SyncGroup(self._group_id, self.name, devices,
                                        self._kwargs['axis'], self._timeout,
@@ -249,29 +290,38 @@ class SyncBatchNorm(HybridBlock):
         half = dtype == np.float16
         # Statistics in at least float32: float16 input is widened, then narrowed back.
         xs = F.Cast(x, dtype='float32') if half else x
-        if axis == 1:
-            # NCHW and friends: work on an (N, C, L) view; MXNet reduces over
-            # (0, 2) of it markedly faster than over (0, 2, 3, ...) of the input.
-            xs = F.reshape(xs, shape=(0, 0, -1))
-            reduce_axes = dict(axis=(0, 2), keepdims=True)
-        else:
-            reduce_axes = dict(axis=axis, exclude=True, keepdims=True)
-        # The fast normalization needs the channel count: known in imperative
-        # mode; while a deferred-init graph is traced, not yet, so the graph is
-        # traced once more after its first call. Only where MKL-DNN runs it
-        # (float32 on CPU): with MXNet's own CPU convolution, 20-layer nets on 4
-        # CPU contexts deadlocked (GPUs: untested, so the broadcast operators).
+        # The fast operators (see _channel_affine and _ChannelMeans) need the
+        # channel count: known in imperative mode; while a deferred-init graph
+        # is traced, not yet, so the graph is traced once more after its first
+        # call. Only where MKL-DNN runs them (float32 on CPU): without it, 20-layer
+        # nets on 4 CPU contexts deadlocked in MXNet's own convolution and
+        # FullyConnected (GPUs: untested, so MXNet's broadcast operators there).
         channels = 0
-        if axis == 1 and self._fast_affine and dtype != np.float64:
+        if axis == 1 and self._fast_ops and dtype != np.float64:
             channels = x.shape[axis] if imperative else (self.gamma.shape or (0,))[0]
             if channels == 0:
                 request_retrace()
+        if channels:
+            # The convolutions' and FullyConnected's view: (N, C, 1, L).
+            xs = F.reshape(xs, shape=(0, 0, 1, -1))
+        elif axis == 1:
+            # NCHW and friends: MXNet reduces over (0, 2) of an (N, C, L) view
+            # markedly faster than over (0, 2, 3, ...) of the input.
+            xs = F.reshape(xs, shape=(0, 0, -1))
+        mean = _ChannelMeans(F, xs, fast=channels > 0, axis=axis)
         # The centre is a constant to autograd: the output does not depend on
-        # it, so the gradient reaches x through m2, sqdev and xc alone.
-        m1 = F.BlockGrad(F.mean(xs, **reduce_axes))
-        xc = F.broadcast_sub(xs, m1)
-        m2 = F.mean(xc, **reduce_axes)
-        sqdev = F.mean(F.square(xc), **reduce_axes)
+        # it, so the gradient reaches x through m2, sqdev and xc alone. (Block
+        # before the mean, not after: MXNet 1.9.1's autograd segfaults on a
+        # FullyConnected whose output gradient is blocked.)
+        m1 = mean.centre(F.BlockGrad(xs))
+        if channels:
+            # Named: its shape check is the first to see a wrong channel count
+            # in a hybridized graph (see hooks.CENTER_OP).
+            xc = _channel_affine(F, xs, F.ones_like(m1), -m1, channels, name=CENTER_OP)
+        else:
+            xc = F.broadcast_sub(xs, m1)
+        m2 = mean(xc)
+        sqdev = mean(F.square(xc))
         shape = F.BlockGrad(F.shape_array(x))
         scale, shift, _ = F.Custom(
             m1, m2, sqdev, shape, gamma, beta, running_mean, running_var,
@@ -281,6 +331,11 @@ class SyncBatchNorm(HybridBlock):
             input_dtype=dtype.name,
             name='sync')
         out = _channel_affine(F, xc, scale, shift, channels)
+        if channels:
+            # Through a 3-D shape: reshaped straight back to 4-D, the
+            # convolution's output kept its MKL-DNN (N, C, 1, L) layout, and a
+            # Pooling after the layer then failed in backward (hybridized).
+            out = F.reshape(out, shape=(0, 0, -1))
         if axis == 1:
             out = F.reshape_like(out, x)
         return F.Cast(out, dtype='float16') if half else out

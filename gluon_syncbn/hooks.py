@@ -1,7 +1,9 @@
-"""The two places gluon_syncbn hooks into MXNet, both narrow and idempotent.
+"""Where gluon_syncbn hooks into MXNet; each hook is narrow and idempotent.
 
 * ``MXNetError`` raised for a failed custom operator carries only MXNet's
-  generic check text; we append the SyncBatchNorm failure that caused it.
+  generic check text; we append the SyncBatchNorm failure that caused it. A
+  wrong channel count in a hybridized graph fails MXNet's shape check of our
+  centring convolution; we append which layer and the fix.
 * An exception that leaves ``autograd.record()`` means the step was abandoned
   half-way (say device 2's forward raised in user code): the SyncBatchNorm calls
   already issued for devices 0 and 1 would wait for partners that never come, so
@@ -16,27 +18,47 @@
   threads still run.
 """
 import atexit
+import re
 
 from .errors import SyncBatchNormError, take_failures
 
-__all__ = ['install_error_text_hook', 'install_record_abort_hook', 'install_exit_abort_hook',
+__all__ = ['CENTER_OP', 'install_error_text_hook', 'install_record_abort_hook', 'install_exit_abort_hook',
            'install_retrace_hook', 'request_retrace']
 
 _CUSTOM_OP_MARKERS = ('kCustomOpForward', 'kCustomOpBackward', 'kCustomOpProp')
 
 
+# The depthwise convolution that centres a hybridized layer's input; the
+# first operator whose shape check sees a wrong channel count.
+CENTER_OP = 'center'
+_CENTER_SHAPE_ERROR = re.compile(
+    r'Error in operator (\S+)_%s\d*: Shape inconsistent, Provided = \[(\d+),1,1,1\], '
+    r'inferred shape=\((\d+),1,1,1\)' % CENTER_OP)
+
+
+def _causes(message):
+    """What gluon_syncbn knows about the failure an MXNetError reports, or ''."""
+    if any(m in message for m in _CUSTOM_OP_MARKERS):
+        return '\n'.join('%s: %s' % (type(e).__name__, e) for e in take_failures())
+    wrong_channels = _CENTER_SHAPE_ERROR.search(message)
+    if wrong_channels:
+        layer, got, expected = wrong_channels.groups()
+        return ("SyncBatchNormError: SyncBatchNorm '%s': input has %s channels on axis 1 but "
+                "the layer has in_channels=%s. Feed %s channels or build the layer with "
+                "in_channels=%s." % (layer, got, expected, expected, got))
+    return ''
+
+
 def install_error_text_hook(mxnet_error_class):
-    """Make ``MXNetError``s raised for a failed custom op name our cause."""
+    """Make ``MXNetError``s raised for our operators name the cause and the fix."""
     if getattr(mxnet_error_class, '_gluon_syncbn_hooked', False):
         return
     original_init = mxnet_error_class.__init__
 
     def __init__(self, *args, **kwargs):
-        if args and isinstance(args[0], str) and any(m in args[0] for m in _CUSTOM_OP_MARKERS):
-            failures = take_failures()
-            if failures:
-                causes = '\n'.join('%s: %s' % (type(e).__name__, e) for e in failures)
-                args = (args[0] + '\n\nCaused by (gluon_syncbn):\n' + causes,) + args[1:]
+        causes = _causes(args[0]) if args and isinstance(args[0], str) else ''
+        if causes:
+            args = (args[0] + '\n\nCaused by (gluon_syncbn):\n' + causes,) + args[1:]
         original_init(self, *args, **kwargs)
 
     mxnet_error_class.__init__ = __init__

@@ -1,7 +1,8 @@
 """The custom operator that synchronizes one SyncBatchNorm call across devices.
 
 It sees only per-channel vectors: the local moments computed by MXNet's native
-reductions, gamma/beta and the running statistics. It never touches the
+operators (per sample and channel, see ``block._ChannelMeans``), gamma/beta and
+the running statistics. It never touches the
 activations, so MKL-DNN's blocked layouts never reach Python. Reading and
 writing its small arrays are direct copies, and the only operators it issues
 (running-statistics copies in static-shape graphs, see ``_update_running``) are
@@ -70,6 +71,22 @@ def _read(arr):
     return arr.asnumpy().astype(np.float64).ravel()
 
 
+def _read_rows(arr, channels):
+    """The mean over rows of a (rows, C)-shaped array of per-row means.
+
+    The block hands over the means of each (sample, channel) row rather than
+    reducing over the samples in the graph (see block._ChannelMeans); every
+    row has the same number of elements, so their plain mean is the local one.
+    """
+    return _read(arr).reshape(-1, channels).mean(axis=0)
+
+
+def _rows_grad(grad, like):
+    """``grad`` of the mean over rows, spread back over ``like``'s rows."""
+    rows = int(np.prod(like.shape)) // grad.size
+    return np.broadcast_to(grad / rows, (rows, grad.size))
+
+
 def _count(shape, channels):
     """Samples per channel on this device, from the input's ``shape_array``."""
     return int(np.prod(shape.asnumpy())) // max(channels, 1)
@@ -96,7 +113,8 @@ class SyncBatchNormOp(mx.operator.CustomOp):
         raise exc
 
     def forward(self, is_train, req, in_data, out_data, aux):
-        m1, m2, v = (_read(a) for a in in_data[:3])
+        m1 = _read(in_data[0])
+        m2, v = (_read_rows(a, m1.size) for a in in_data[1:3])
         count = _count(in_data[3], m1.size)
         gamma = np.ones_like(m1) if self.fix_gamma else _read(in_data[4])
         beta = _read(in_data[5])
@@ -161,8 +179,8 @@ class SyncBatchNormOp(mx.operator.CustomOp):
                                             token=self.token)
         d_m2, d_v = stats.local_moment_grads(total, count, n, mean, m1)
         _write(in_grad[0], req[0], 0)  # m1 is a constant (BlockGrad in the block)
-        _write(in_grad[1], req[1], d_m2)
-        _write(in_grad[2], req[2], d_v)
+        _write(in_grad[1], req[1], _rows_grad(d_m2, in_data[1]))
+        _write(in_grad[2], req[2], _rows_grad(d_v, in_data[2]))
         _write(in_grad[3], req[3], 0)
         _write(in_grad[4], req[4], 0 if self.fix_gamma else d_gamma)
         _write(in_grad[5], req[5], d_beta)
@@ -212,7 +230,9 @@ class SyncBatchNormProp(mx.operator.CustomOpProp):
                                  'Set in_channels=%d or feed %d channels.'
                                  % (channels, group.axis, what, given, channels, given[0]))
         vec = (channels,)
-        return ([stat_shape] * 3 + [(ndim,) if ndim > 0 else (0,), vec, vec],
+        # residual and sqdev: one row of C means per sample, or a single row.
+        return ([stat_shape, tuple(in_shape[1]), tuple(in_shape[2]),
+                 (ndim,) if ndim > 0 else (0,), vec, vec],
                 [stat_shape, stat_shape, (_INFO_HEAD + 2 * channels,)],
                 [vec, vec])
 

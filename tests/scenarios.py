@@ -132,10 +132,16 @@ def make_norm(kind, **kwargs):
 
 
 class ConvStack(gluon.HybridBlock):
-    """``layers`` x (conv 3x3, BN, relu [, dropout]), global pooling, dense."""
+    """``layers`` x (conv 3x3, BN, relu [, dropout]), global pooling, dense.
 
-    def __init__(self, norm, layers, width=8, dropout=0.0, classes=5, **kwargs):
+    ``pool=True``: MXNet's Pooling operators (max pooling after the first
+    block, global average pooling at the end) instead of ``mean``: in MKL-DNN
+    they read the layout of the BN layer's output, as in ResNets.
+    """
+
+    def __init__(self, norm, layers, width=8, dropout=0.0, classes=5, pool=False, **kwargs):
         super(ConvStack, self).__init__(**kwargs)
+        self._pool = pool
         with self.name_scope():
             self.body = gluon.nn.HybridSequential()
             for i in range(layers):
@@ -146,10 +152,15 @@ class ConvStack(gluon.HybridBlock):
                 self.body.add(gluon.nn.Activation('relu'))
                 if dropout:
                     self.body.add(gluon.nn.Dropout(dropout))
+                if pool and i == 0:
+                    self.body.add(gluon.nn.MaxPool2D(2))
+            if pool:
+                self.body.add(gluon.nn.GlobalAvgPool2D())
             self.head = gluon.nn.Dense(classes)
 
     def hybrid_forward(self, F, x):
-        return self.head(F.mean(self.body(x), axis=(2, 3)))
+        features = self.body(x)
+        return self.head(features if self._pool else F.mean(features, axis=(2, 3)))
 
 
 class ASPPNet(gluon.HybridBlock):

@@ -36,6 +36,7 @@ CASES = {
     # feeding near-constant channels dominates (any float32 net, not SyncBN).
     'conv20-N4': dict(layers=20, sizes=[2, 2, 2, 2], steps=1),
     'conv20-N4-static': dict(layers=20, sizes=[2, 1, 2, 2], steps=1, hybridize='static'),
+    'conv3-N2-pool-hybrid': dict(layers=3, sizes=[2, 1], hybridize=True, pool=True),
     'aspp-N4': dict(arch='aspp', sizes=[1, 2, 1, 2]),
     'aspp-N3-hybrid': dict(arch='aspp', sizes=[2, 1, 2], hybridize=True),
 }
@@ -67,8 +68,16 @@ def check(results, case, references):
     i = IDS.index(case)
     got = {ref: result_of(results, len(references) * i + k) for k, ref in enumerate(references)}
     tol = tolerance(case)
-    for name in ('loss', 'param', 'running'):
+    for name in ('loss', 'running'):
         assert got['float64'][name] < tol, ('float64', name, got['float64'])
+    # Parameters after several steps carry the float32 rounding of the whole
+    # net (convolutions included), amplified by near-constant channels: on
+    # conv2-N2-uneven nn.BatchNorm's own float32 kernel on one context is
+    # 1.03e-5 from float64. So: within tol, or as close as nn.BatchNorm is.
+    param_bound = tol
+    if 'one-context' in got:
+        param_bound = max(tol, 1.5 * got['one-context']['param'])
+    assert got['float64']['param'] < param_bound, ('float64', 'param', got)
     assert got['float64']['replicas_identical'] == 1.0
     if 'plain' in got:
         for name in ('loss', 'running'):
