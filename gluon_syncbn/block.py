@@ -55,24 +55,27 @@ def _channel_affine(F, x, scale, shift, channels, name=None):
     """
     if channels <= 0:
         return F.broadcast_add(F.broadcast_mul(x, scale), shift)
-    return F.Convolution(x, F.reshape(scale, shape=(-1, 1, 1, 1)),
-                         F.reshape(shift, shape=(-1,)), kernel=(1, 1), num_filter=channels,
-                         num_group=channels, name=name)
+    # transpose and squeeze, not reshape: see _ChannelMoments on temp space.
+    return F.Convolution(x, F.transpose(scale, axes=(1, 0, 2, 3)),
+                         F.squeeze(shift, axis=(0, 2, 3)), kernel=(1, 1),
+                         num_filter=channels, num_group=channels, name=name)
 
 
-class _ChannelMeans(object):
-    """Per-channel means of tensors shaped like ``like``, as the operator takes them.
+class _ChannelMoments(object):
+    """Per-channel statistics of tensors shaped like ``like``, as the operator takes them.
 
     ``fast=False``: MXNet's ``mean`` over every axis but the channel ``axis``.
-    ``fast=True`` (``like`` is the (N, C, 1, L) view): the means of each
+    ``fast=True`` (``like`` is the (N, C, 1, L) view): the sums of each
     (sample, channel) row, shape (N, C, 1, 1): FullyConnected over the last
-    axis with a constant ``1/L`` row, whose forward and backward run as MKL
-    GEMV/GEMM, 4-5x cheaper on CPU than ``mean``, which reduces over
-    non-contiguous axes. The operator averages the N rows itself (all have L
-    elements). Every operator here that needs MXNet's temp space (reductions,
-    FullyConnected, reshapes of MKL-DNN arrays) holds one more shared slot, which
-    matters for the deadlock bound (see :mod:`gluon_syncbn.engine`), so none
-    reduces over N or reshapes the data.
+    axis with a row of ones, whose forward and backward run as MKL GEMV/GEMM,
+    4-5x cheaper on CPU than ``mean``, which reduces over non-contiguous axes.
+    The operator adds the rows up and divides by the count itself.
+
+    Every operator here that needs MXNet's temp space (reductions, slice,
+    FullyConnected, convolutions, reshapes under MKL-DNN) holds one more shared
+    slot, which sets the deadlock bound (see :mod:`gluon_syncbn.engine`), so
+    the fast path uses them only where the data needs them: none for the
+    centre, the ones row or the small vectors.
     """
 
     def __init__(self, F, like, fast, axis=1):
@@ -80,24 +83,23 @@ class _ChannelMeans(object):
         self._fast = fast
         self._axis = axis
         if fast:
-            row = F.reshape(F.slice(like, begin=(0, 0, 0, None), end=(1, 1, 1, None)),
-                            shape=(1, -1))
-            ones = F.BlockGrad(F.ones_like(row))
-            self._weight = F.broadcast_div(ones, F.sum(ones))  # (1, L) of 1/L
+            row = F.slice_axis(F.slice_axis(like, axis=0, begin=0, end=1), axis=1, begin=0, end=1)
+            self._ones = F.BlockGrad(F.ones_like(F.squeeze(row, axis=(1, 2))))  # (1, L)
 
     def __call__(self, x):
         F = self._F
         if not self._fast:
             return F.mean(x, axis=self._axis, exclude=True, keepdims=True)
-        return F.FullyConnected(x, self._weight, num_hidden=1, no_bias=True, flatten=False)
+        return F.FullyConnected(x, self._ones, num_hidden=1, no_bias=True, flatten=False)
 
     def centre(self, x):
         """A (1, C, 1, ...) estimate of the mean to centre on; any estimate within
         a few standard deviations keeps the moments free of cancellation. Fast:
-        the first sample's mean (1/N of the data)."""
+        the first element of each channel of the first sample."""
         if not self._fast:
             return self(x)
-        return self(self._F.slice_axis(x, axis=0, begin=0, end=1))
+        first = self._F.slice_axis(x, axis=0, begin=0, end=1)
+        return self._F.slice_axis(first, axis=3, begin=0, end=1)
 
 
 class SyncBatchNorm(HybridBlock):
@@ -290,7 +292,7 @@ class SyncBatchNorm(HybridBlock):
         half = dtype == np.float16
         # Statistics in at least float32: float16 input is widened, then narrowed back.
         xs = F.Cast(x, dtype='float32') if half else x
-        # The fast operators (see _channel_affine and _ChannelMeans) need the
+        # The fast operators (see _channel_affine and _ChannelMoments) need the
         # channel count: known in imperative mode; while a deferred-init graph
         # is traced, not yet, so the graph is traced once more after its first
         # call. Only where MKL-DNN runs them (float32 on CPU): without it, 20-layer
@@ -308,26 +310,26 @@ class SyncBatchNorm(HybridBlock):
             # NCHW and friends: MXNet reduces over (0, 2) of an (N, C, L) view
             # markedly faster than over (0, 2, 3, ...) of the input.
             xs = F.reshape(xs, shape=(0, 0, -1))
-        mean = _ChannelMeans(F, xs, fast=channels > 0, axis=axis)
+        moments = _ChannelMoments(F, xs, fast=channels > 0, axis=axis)
         # The centre is a constant to autograd: the output does not depend on
         # it, so the gradient reaches x through m2, sqdev and xc alone. (Block
         # before the mean, not after: MXNet 1.9.1's autograd segfaults on a
         # FullyConnected whose output gradient is blocked.)
-        m1 = mean.centre(F.BlockGrad(xs))
+        m1 = moments.centre(F.BlockGrad(xs))
         if channels:
             # Named: its shape check is the first to see a wrong channel count
             # in a hybridized graph (see hooks.CENTER_OP).
             xc = _channel_affine(F, xs, F.ones_like(m1), -m1, channels, name=CENTER_OP)
         else:
             xc = F.broadcast_sub(xs, m1)
-        m2 = mean(xc)
-        sqdev = mean(F.square(xc))
+        m2 = moments(xc)
+        sqdev = moments(F.square(xc))
         shape = F.BlockGrad(F.shape_array(x))
         scale, shift, _ = F.Custom(
             m1, m2, sqdev, shape, gamma, beta, running_mean, running_var,
             op_type=_op.OP_TYPE, group=group.group_id, eps=self._kwargs['eps'],
             momentum=self._kwargs['momentum'], fix_gamma=self._kwargs['fix_gamma'],
-            static_shape=self._static_shape,
+            static_shape=self._static_shape, row_sums=channels > 0,
             input_dtype=dtype.name,
             name='sync')
         out = _channel_affine(F, xc, scale, shift, channels)
@@ -335,7 +337,7 @@ class SyncBatchNorm(HybridBlock):
             # Through a 3-D shape: reshaped straight back to 4-D, the
             # convolution's output kept its MKL-DNN (N, C, 1, L) layout, and a
             # Pooling after the layer then failed in backward (hybridized).
-            out = F.reshape(out, shape=(0, 0, -1))
+            out = F.squeeze(out, axis=2)
         if axis == 1:
             out = F.reshape_like(out, x)
         return F.Cast(out, dtype='float16') if half else out

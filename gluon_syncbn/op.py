@@ -71,20 +71,22 @@ def _read(arr):
     return arr.asnumpy().astype(np.float64).ravel()
 
 
-def _read_rows(arr, channels):
-    """The mean over rows of a (rows, C)-shaped array of per-row means.
+def _read_rows(arr, channels, count, row_sums):
+    """The local mean from an array of per-row statistics, shape (rows, C, ...).
 
-    The block hands over the means of each (sample, channel) row rather than
-    reducing over the samples in the graph (see block._ChannelMeans); every
-    row has the same number of elements, so their plain mean is the local one.
+    The block hands over one value per (sample, channel) row rather than
+    reducing over the samples in the graph (see ``block._ChannelMoments``):
+    sums (``row_sums``) or means of rows of equal length; a single row is the
+    plain mean over every axis but the channel axis.
     """
-    return _read(arr).reshape(-1, channels).mean(axis=0)
+    rows = _read(arr).reshape(-1, channels)
+    return rows.sum(axis=0) / count if row_sums else rows.mean(axis=0)
 
 
-def _rows_grad(grad, like):
-    """``grad`` of the mean over rows, spread back over ``like``'s rows."""
+def _rows_grad(grad, like, count, row_sums):
+    """The gradient of each row's statistic for ``grad``, that of the local mean."""
     rows = int(np.prod(like.shape)) // grad.size
-    return np.broadcast_to(grad / rows, (rows, grad.size))
+    return np.broadcast_to(grad / (count if row_sums else rows), (rows, grad.size))
 
 
 def _count(shape, channels):
@@ -95,9 +97,11 @@ def _count(shape, channels):
 class SyncBatchNormOp(mx.operator.CustomOp):
     """One device's instance of the synchronization operator."""
 
-    def __init__(self, group, device, eps, momentum, fix_gamma, static_shape, input_dtype):
+    def __init__(self, group, device, eps, momentum, fix_gamma, static_shape, input_dtype,
+                 row_sums):
         super(SyncBatchNormOp, self).__init__()
         self.input_dtype = input_dtype
+        self.row_sums = row_sums
         self.group = group
         self.device = device
         self.eps = eps
@@ -114,8 +118,8 @@ class SyncBatchNormOp(mx.operator.CustomOp):
 
     def forward(self, is_train, req, in_data, out_data, aux):
         m1 = _read(in_data[0])
-        m2, v = (_read_rows(a, m1.size) for a in in_data[1:3])
         count = _count(in_data[3], m1.size)
+        m2, v = (_read_rows(a, m1.size, count, self.row_sums) for a in in_data[1:3])
         gamma = np.ones_like(m1) if self.fix_gamma else _read(in_data[4])
         beta = _read(in_data[5])
         if not is_train:
@@ -179,8 +183,8 @@ class SyncBatchNormOp(mx.operator.CustomOp):
                                             token=self.token)
         d_m2, d_v = stats.local_moment_grads(total, count, n, mean, m1)
         _write(in_grad[0], req[0], 0)  # m1 is a constant (BlockGrad in the block)
-        _write(in_grad[1], req[1], _rows_grad(d_m2, in_data[1]))
-        _write(in_grad[2], req[2], _rows_grad(d_v, in_data[2]))
+        _write(in_grad[1], req[1], _rows_grad(d_m2, in_data[1], count, self.row_sums))
+        _write(in_grad[2], req[2], _rows_grad(d_v, in_data[2], count, self.row_sums))
         _write(in_grad[3], req[3], 0)
         _write(in_grad[4], req[4], 0 if self.fix_gamma else d_gamma)
         _write(in_grad[5], req[5], d_beta)
@@ -196,7 +200,7 @@ class SyncBatchNormProp(mx.operator.CustomOpProp):
     """
 
     def __init__(self, group, eps, momentum, fix_gamma, static_shape='False',
-                 input_dtype='float32'):
+                 input_dtype='float32', row_sums='False'):
         super(SyncBatchNormProp, self).__init__(need_top_grad=True)
         self.group_id = group
         self.eps = float(eps)
@@ -204,6 +208,7 @@ class SyncBatchNormProp(mx.operator.CustomOpProp):
         self.fix_gamma = fix_gamma in ('True', 'true', '1')
         self.static_shape = static_shape in ('True', 'true', '1')
         self.input_dtype = input_dtype
+        self.row_sums = row_sums in ('True', 'true', '1')
 
     def list_arguments(self):
         return ['mean', 'residual', 'sqdev', 'shape', 'gamma', 'beta']
@@ -230,7 +235,7 @@ class SyncBatchNormProp(mx.operator.CustomOpProp):
                                  'Set in_channels=%d or feed %d channels.'
                                  % (channels, group.axis, what, given, channels, given[0]))
         vec = (channels,)
-        # residual and sqdev: one row of C means per sample, or a single row.
+        # residual and sqdev: one row of C sums or means per sample, or one row.
         return ([stat_shape, tuple(in_shape[1]), tuple(in_shape[2]),
                  (ndim,) if ndim > 0 else (0,), vec, vec],
                 [stat_shape, stat_shape, (_INFO_HEAD + 2 * channels,)],
@@ -268,4 +273,4 @@ class SyncBatchNormProp(mx.operator.CustomOpProp):
         stats_dtype = np.dtype(_DTYPE_MX_TO_NP[in_dtypes[0]]).name  # MXNet type code
         dtype = '%s (statistics in %s)' % (self.input_dtype, stats_dtype)
         return SyncBatchNormOp(group, device, self.eps, self.momentum,
-                               self.fix_gamma, self.static_shape, dtype)
+                               self.fix_gamma, self.static_shape, dtype, self.row_sums)

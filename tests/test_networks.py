@@ -36,9 +36,12 @@ CASES = {
     # feeding near-constant channels dominates (any float32 net, not SyncBN).
     'conv20-N4': dict(layers=20, sizes=[2, 2, 2, 2], steps=1),
     'conv20-N4-static': dict(layers=20, sizes=[2, 1, 2, 2], steps=1, hybridize='static'),
-    'conv3-N2-pool-hybrid': dict(layers=3, sizes=[2, 1], hybridize=True, pool=True),
     'aspp-N4': dict(arch='aspp', sizes=[1, 2, 1, 2]),
     'aspp-N3-hybrid': dict(arch='aspp', sizes=[2, 1, 2], hybridize=True),
+    # Last: run before the aspp cases in the same process (MKL-DNN off), it made
+    # aspp-N4 time out in 3 of 7 runs (temp-space slots, see the README's known
+    # limits); here 0 of 5.
+    'conv3-N2-pool-hybrid': dict(layers=3, sizes=[2, 1], hybridize=True, pool=True),
 }
 IDS = list(CASES)
 TOL = 1e-5
