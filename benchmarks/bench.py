@@ -99,13 +99,36 @@ def worker(cfg):
             mx.nd.waitall()
         steps[norm] = step
     times = {norm: [] for norm in steps}
-    for i in range(cfg['warmup'] + cfg['steps']):
+    warmup = warm_up(steps.values(), cfg['warmup'], cfg.get('max_warmup', cfg['warmup']),
+                     lambda: psutil.Process().memory_info().rss)
+    for i in range(cfg['steps']):
         for norm, step in steps.items():   # interleaved: same noise for all
             t = time.perf_counter()
             step()
-            if i >= cfg['warmup']:
-                times[norm].append(time.perf_counter() - t)
-    return {'times': times, 'rss_mb': psutil.Process().memory_info().rss / 2 ** 20}
+            times[norm].append(time.perf_counter() - t)
+    return {'times': times, 'rss_mb': psutil.Process().memory_info().rss / 2 ** 20,
+            'warmup_steps': warmup}
+
+
+def warm_up(steps, least, most, rss, window=10, growth=0.01):
+    """Run the steps in turn until resident memory is flat; return how many rounds.
+
+    With many temp-space slots (see gluon_syncbn.engine) MXNet keeps growing a
+    slot's buffer the first times it is handed a larger request: until every
+    slot has its buffer, steps pay page faults in proportion to how many
+    temp-space operators they run. Steady-state training is what users run for
+    thousands of steps, so we time it: after ``least`` rounds, and once memory
+    grew less than ``growth`` over the last ``window`` rounds (at most ``most``).
+    """
+    history = []
+    for i in range(most):
+        for step in steps:
+            step()
+        history.append(rss())
+        if i + 1 >= least and len(history) > window and \
+                history[-1] <= history[-1 - window] * (1 + growth):
+            return i + 1
+    return most
 
 
 def overhead_worker(cfg):
@@ -220,7 +243,14 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument('--quick', action='store_true')
     parser.add_argument('--steps', type=int, default=None)
+    parser.add_argument('--warmup', type=int, default=3, help='warm-up rounds, at least')
+    parser.add_argument('--no-steady', dest='steady', action='store_false',
+                        help='time right after --warmup rounds, without waiting for '
+                             'resident memory to stop growing')
     parser.add_argument('--out', default=os.path.join(HERE, 'results'))
+    parser.add_argument('--only', default='',
+                        help='e.g. resnet:3:hybrid,resnet:2:imperative: measure these and '
+                             'splice them into the existing --out results')
     parser.add_argument('--overhead-only', action='store_true',
                         help='re-measure the fixed cost into an existing --out')
     parser.add_argument('--memory', action='store_true',
@@ -236,51 +266,71 @@ def main():
                   % ('hybrid' if hybrid else 'imperative', res))
         return
     steps = args.steps or (10 if args.quick else 30)
+    if args.only:
+        return only(args, steps)
     configs = []
     for n in ([2, 4] if args.quick else [1, 2, 3, 4, 8]):
         for hybrid in (False, True):
             configs.append(dict(arch='small', n=n, hybridize=hybrid))
     if not args.quick:  # the larger net: seconds per step on 2 cores, so fewer cases
-        configs += [dict(arch='resnet', n=n, hybridize=True) for n in (2, 4)]
-    rows, raw = [], {'date': time.strftime('%Y-%m-%d'), 'machine': platform.processor() or
-                     platform.machine(), 'cpus': os.cpu_count(), 'configs': []}
+        configs += [dict(arch='resnet', n=n, hybridize=hybrid)
+                    for hybrid in (False, True) for n in ((2, 3, 4) if hybrid else (2, 3))]
+    raw = {'date': time.strftime('%Y-%m-%d'), 'machine': platform.processor() or
+           platform.machine(), 'cpus': os.cpu_count(), 'configs': []}
     for cfg in configs:
-        contrib_ok = cfg['n'] <= 3
-        variants = ['plain', 'ours'] + (['contrib'] if contrib_ok else [])
-        wcfg = dict(cfg, variants=variants, steps=steps if cfg['arch'] == 'small' else steps // 2,
-                    warmup=3)
-        res = run_worker('worker', wcfg, timeout=1200)
-        entry = dict(cfg, result=res)
-        if not contrib_ok:
-            probe = run_worker('worker', dict(cfg, variants=['contrib'], steps=2, warmup=1), 90)
-            entry['contrib_probe'] = probe if isinstance(probe, str) else 'ran'
-        raw['configs'].append(entry)
-        if isinstance(res, str):
-            rows.append((cfg, res))
-            print(cfg, res, flush=True)
-            continue
-        row = summarize(entry)
-        rows.append((cfg, row))
-        print(cfg, {k: (round(v, 2) if isinstance(v, float) else v) for k, v in row.items()},
-              flush=True)
-    over = run_worker('overhead_worker', {'steps': 200}, timeout=600)
-    raw['overhead'] = over
-    write(args.out, rows, over, raw)
+        raw['configs'].append(measure(cfg, args, steps))
+    raw['overhead'] = run_worker('overhead_worker', {'steps': 200}, timeout=600)
+    write(args.out, table_rows(raw), raw['overhead'], raw)
+
+
+def measure(cfg, args, steps):
+    """Time one configuration; return its entry for results.json."""
+    contrib_ok = cfg['n'] <= 3
+    variants = ['plain', 'ours'] + (['contrib'] if contrib_ok else [])
+    small = cfg['arch'] == 'small'
+    wcfg = dict(cfg, variants=variants, steps=steps if small else steps // 2,
+                warmup=args.warmup, max_warmup=(150 if small else 60) if args.steady else
+                args.warmup)
+    entry = dict(cfg, result=run_worker('worker', wcfg, timeout=1200))
+    if not contrib_ok:
+        probe = run_worker('worker', dict(cfg, variants=['contrib'], steps=2, warmup=1), 90)
+        entry['contrib_probe'] = probe if isinstance(probe, str) else 'ran'
+    res = entry['result']
+    print(cfg, res if isinstance(res, str) else
+          {k: (round(v, 2) if isinstance(v, float) else v) for k, v in summarize(entry).items()},
+          flush=True)
+    return entry
+
+
+def only(args, steps):
+    """Measure the ``--only`` configurations and splice them into existing results."""
+    raw = json.load(open(args.out + '.json'))
+    for spec in args.only.split(','):
+        arch, n, mode = spec.split(':')
+        cfg = dict(arch=arch, n=int(n), hybridize=mode == 'hybrid')
+        entry = measure(cfg, args, steps)
+        raw['configs'] = [e for e in raw['configs']
+                          if {k: e[k] for k in cfg} != cfg] + [entry]
+    order = {'small': 0, 'resnet': 1}
+    raw['configs'].sort(key=lambda e: (order[e['arch']], not e['hybridize'] if e['arch'] ==
+                                       'resnet' else 0, e['n'], e['hybridize']))
+    write(args.out, table_rows(raw), raw['overhead'], raw)
+
+
+def table_rows(raw):
+    rows = []
+    for entry in raw['configs']:
+        cfg = {k: entry[k] for k in ('arch', 'n', 'hybridize')}
+        res = entry['result']
+        rows.append((cfg, res if isinstance(res, str) else summarize(entry)))
+    return rows
 
 
 def overhead_only(out):
     """Re-measure just the fixed cost and splice it into an existing results file."""
     raw = json.load(open(out + '.json'))
     raw['overhead'] = run_worker('overhead_worker', {'steps': 200}, timeout=600)
-    rows = []
-    for entry in raw['configs']:
-        res = entry['result']
-        cfg = {k: entry[k] for k in ('arch', 'n', 'hybridize')}
-        if isinstance(res, str):
-            rows.append((cfg, res))
-            continue
-        rows.append((cfg, summarize(entry)))
-    write(out, rows, raw['overhead'], raw)
+    write(out, table_rows(raw), raw['overhead'], raw)
 
 
 def summarize(entry):
@@ -291,26 +341,31 @@ def summarize(entry):
     return {'plain_ms': 1e3 * base, 'ours_ms': 1e3 * median(t['ours']),
             'ours_x': median(t['ours']) / base, 'ours_spread_ms': 1e3 * spread(t['ours']),
             'contrib_x': (median(t['contrib']) / base) if 'contrib' in t else None,
-            'contrib_note': entry.get('contrib_probe'), 'rss_mb': res['rss_mb']}
+            'contrib_note': entry.get('contrib_probe'), 'rss_mb': res['rss_mb'],
+            'warmup': res.get('warmup_steps')}
 
 
 def write(out, rows, over, raw):
     lines = ['Measured %s on %s (%s CPUs), MXNet 1.9.1 CPU wheel, CPU contexts. Step = '
-             'forward + backward + Trainer.step + waitall; medians of interleaved steps; '
-             'ratios are to plain nn.BatchNorm (no synchronization) in the same process.'
+             'forward + backward + Trainer.step + waitall; medians of interleaved steps, '
+             'timed after the warm-up rounds shown (all variants in turn, until resident '
+             'memory grew < 1%% over 10 rounds); ratios are to plain nn.BatchNorm (no '
+             'synchronization) in the same process.'
              % (raw['date'], raw['machine'], raw['cpus']), '',
-             '| net | N | mode | nn.BatchNorm ms | ours ms (IQR) | ours / BN | contrib / BN | RSS MB |',
-             '|---|---|---|---|---|---|---|---|']
+             '| net | N | mode | warm-up | nn.BatchNorm ms | ours ms (IQR) | ours / BN '
+             '| contrib / BN | RSS MB |',
+             '|---|---|---|---|---|---|---|---|---|']
     for cfg, row in rows:
         mode = 'hybrid' if cfg['hybridize'] else 'imperative'
         if isinstance(row, str):
-            lines.append('| %s | %d | %s | %s |  |  |  |  |' % (cfg['arch'], cfg['n'], mode, row))
+            lines.append('| %s | %d | %s |  | %s |  |  |  |  |' % (cfg['arch'], cfg['n'], mode,
+                                                                  row))
             continue
         contrib = ('%.2fx' % row['contrib_x']) if row['contrib_x'] else (
             'hangs' if row['contrib_note'] == 'hang' else str(row['contrib_note']))
-        lines.append('| %s | %d | %s | %.1f | %.1f (%.1f) | %.2fx | %s | %.0f |' % (
-            cfg['arch'], cfg['n'], mode, row['plain_ms'], row['ours_ms'], row['ours_spread_ms'],
-            row['ours_x'], contrib, row['rss_mb']))
+        lines.append('| %s | %d | %s | %s | %.1f | %.1f (%.1f) | %.2fx | %s | %.0f |' % (
+            cfg['arch'], cfg['n'], mode, row['warmup'], row['plain_ms'], row['ours_ms'],
+            row['ours_spread_ms'], row['ours_x'], contrib, row['rss_mb']))
     if isinstance(over, dict):
         lines += ['', 'Fixed cost per layer call (forward + backward) on a (2, 4, 2, 2) input, '
                   'calls on 2 CPU contexts per step (median of 200):', '', '| call | ms |',

@@ -312,9 +312,9 @@ class SyncBatchNorm(HybridBlock):
             xs = F.reshape(xs, shape=(0, 0, -1))
         moments = _ChannelMoments(F, xs, fast=channels > 0, axis=axis)
         # The centre is a constant to autograd: the output does not depend on
-        # it, so the gradient reaches x through m2, sqdev and xc alone. (Block
-        # before the mean, not after: MXNet 1.9.1's autograd segfaults on a
-        # FullyConnected whose output gradient is blocked.)
+        # it, so the gradient reaches x through m2, sqdev and xc alone. (Blocked
+        # at its input, not its output: MXNet 1.9.1's autograd segfaulted on a
+        # FullyConnected whose output gradient was blocked.)
         m1 = moments.centre(F.BlockGrad(xs))
         if channels:
             # Named: its shape check is the first to see a wrong channel count

@@ -22,8 +22,8 @@ import re
 
 from .errors import SyncBatchNormError, take_failures
 
-__all__ = ['CENTER_OP', 'install_error_text_hook', 'install_record_abort_hook', 'install_exit_abort_hook',
-           'install_retrace_hook', 'request_retrace']
+__all__ = ['CENTER_OP', 'install_error_text_hook', 'install_record_abort_hook',
+           'install_exit_abort_hook', 'install_retrace_hook', 'request_retrace']
 
 _CUSTOM_OP_MARKERS = ('kCustomOpForward', 'kCustomOpBackward', 'kCustomOpProp')
 

@@ -1,9 +1,9 @@
 """The custom operator that synchronizes one SyncBatchNorm call across devices.
 
 It sees only per-channel vectors: the local moments computed by MXNet's native
-operators (per sample and channel, see ``block._ChannelMeans``), gamma/beta and
-the running statistics. It never touches the
-activations, so MKL-DNN's blocked layouts never reach Python. Reading and
+operators (per sample and channel, see ``block._ChannelMoments``), gamma/beta
+and the running statistics. It never touches the activations, so MKL-DNN's
+blocked layouts never reach Python. Reading and
 writing its small arrays are direct copies, and the only operators it issues
 (running-statistics copies in static-shape graphs, see ``_update_running``) are
 not waited for, so nothing it does can queue behind work that waits for it.
