@@ -184,7 +184,7 @@ def overhead_worker(cfg):
 
 
 def memory_worker(cfg):
-    """Resident memory of a SyncBatchNorm training loop at checkpoints (steps)."""
+    """Resident memory of a training loop at checkpoints (steps); ``norm`` as in build()."""
     import numpy as np
     import gluon_syncbn  # noqa: F401
     import mxnet as mx
@@ -192,7 +192,7 @@ def memory_worker(cfg):
     import psutil
 
     ctxs = [mx.cpu(i) for i in range(cfg['n'])]
-    net = build('small', 'ours', cfg['n'])
+    net = build('small', cfg.get('norm', 'ours'), cfg['n'])
     net.initialize(mx.init.Xavier(), ctx=ctxs)
     if cfg['hybridize']:
         net.hybridize(static_alloc=True)
@@ -259,11 +259,13 @@ def main():
     if args.overhead_only:
         return overhead_only(args.out)
     if args.memory:
-        for hybrid in (False, True):
-            res = run_worker('memory_worker', dict(n=2, hybridize=hybrid, steps=2000,
-                                                   checkpoints=[200, 1000, 2000]), 3000)
-            print('memory, small net (batch 2 x 16x16 per device), N=2, %s: %s'
-                  % ('hybrid' if hybrid else 'imperative', res))
+        for norm in ('ours', 'plain'):  # plain: the same engine settings, no sync
+            for hybrid in (False, True):
+                res = run_worker('memory_worker', dict(n=2, hybridize=hybrid, steps=2000,
+                                                       checkpoints=[200, 1000, 2000],
+                                                       norm=norm), 3000)
+                print('memory, %s, small net (batch 2 x 16x16 per device), N=2, %s: %s'
+                      % (norm, 'hybrid' if hybrid else 'imperative', res))
         return
     steps = args.steps or (10 if args.quick else 30)
     if args.only:
