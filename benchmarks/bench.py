@@ -101,7 +101,7 @@ def worker(cfg):
     times = {norm: [] for norm in steps}
     warmup = warm_up(steps.values(), cfg['warmup'], cfg.get('max_warmup', cfg['warmup']),
                      lambda: psutil.Process().memory_info().rss)
-    for i in range(cfg['steps']):
+    for _ in range(cfg['steps']):
         for norm, step in steps.items():   # interleaved: same noise for all
             t = time.perf_counter()
             step()
@@ -270,19 +270,22 @@ def main():
     steps = args.steps or (10 if args.quick else 30)
     if args.only:
         return only(args, steps)
-    configs = []
-    for n in ([2, 4] if args.quick else [1, 2, 3, 4, 8]):
-        for hybrid in (False, True):
-            configs.append(dict(arch='small', n=n, hybridize=hybrid))
-    if not args.quick:  # the larger net: seconds per step on 2 cores, so fewer cases
-        configs += [dict(arch='resnet', n=n, hybridize=hybrid)
-                    for hybrid in (False, True) for n in ((2, 3, 4) if hybrid else (2, 3))]
     raw = {'date': time.strftime('%Y-%m-%d'), 'machine': platform.processor() or
            platform.machine(), 'cpus': os.cpu_count(), 'configs': []}
-    for cfg in configs:
+    for cfg in configurations(args.quick):
         raw['configs'].append(measure(cfg, args, steps))
     raw['overhead'] = run_worker('overhead_worker', {'steps': 200}, timeout=600)
     write(args.out, table_rows(raw), raw['overhead'], raw)
+
+
+def configurations(quick=False):
+    """The configurations of a run, in table order."""
+    configs = [dict(arch='small', n=n, hybridize=hybrid)
+               for n in ([2, 4] if quick else [1, 2, 3, 4, 8]) for hybrid in (False, True)]
+    if not quick:  # the larger net: seconds per step on 2 cores, so fewer cases
+        configs += [dict(arch='resnet', n=n, hybridize=hybrid)
+                    for hybrid in (True, False) for n in ((2, 3, 4) if hybrid else (2, 3))]
+    return configs
 
 
 def measure(cfg, args, steps):
@@ -313,9 +316,9 @@ def only(args, steps):
         entry = measure(cfg, args, steps)
         raw['configs'] = [e for e in raw['configs']
                           if {k: e[k] for k in cfg} != cfg] + [entry]
-    order = {'small': 0, 'resnet': 1}
-    raw['configs'].sort(key=lambda e: (order[e['arch']], not e['hybridize'] if e['arch'] ==
-                                       'resnet' else 0, e['n'], e['hybridize']))
+    order = [tuple(sorted(c.items())) for c in configurations()]
+    raw['configs'].sort(key=lambda e: order.index(
+        tuple(sorted((k, e[k]) for k in ('arch', 'hybridize', 'n')))))
     write(args.out, table_rows(raw), raw['overhead'], raw)
 
 
