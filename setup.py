@@ -4,6 +4,7 @@ import os
 from setuptools import find_packages, setup
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+EXAMPLES = ['tqdm', 'matplotlib', 'pillow']
 
 setup(
     name='gluon_syncbn',
@@ -20,7 +21,10 @@ setup(
         # libraries and an NVIDIA driver on the machine; it cannot import without them.
         'cpu': ['mxnet==1.9.1'],
         'gpu': ['mxnet-cu112==1.9.1'],
-        'test': ['pytest>=7', 'pytest-timeout>=2'],
+        # examples/segmentation: progress bar, figures, VOC images
+        'examples': EXAMPLES,
+        # the suite runs the example and the benchmarks' measurement helpers
+        'test': ['pytest>=7', 'pytest-timeout>=2', 'psutil'] + EXAMPLES,
     },
     classifiers=[
         'Programming Language :: Python :: 3',

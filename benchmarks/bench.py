@@ -70,12 +70,13 @@ def ResBlock(width, stride, bn):
 
 def worker(cfg):
     import numpy as np
-    import gluon_syncbn  # noqa: F401
+    import gluon_syncbn
     import mxnet as mx
     from mxnet import autograd, gluon
     import psutil
 
     n, arch, hybrid = cfg['n'], cfg['arch'], cfg['hybridize']
+    gluon_syncbn.configure_cpu_contexts(n)  # all variants alike: same engine settings
     ctxs = [mx.cpu(i) for i in range(n)]
     size = 32 if arch == 'small' else 64
     per_device = cfg.get('per_device', 8)
@@ -135,10 +136,12 @@ def overhead_worker(cfg):
     """Fixed cost per layer call (forward+backward) on a tiny tensor: each
     measured step calls the layer once on each of 2 CPU contexts."""
     import numpy as np
-    import gluon_syncbn  # noqa: F401
+    import gluon_syncbn
     import mxnet as mx
     from mxnet import autograd, gluon
     from gluon_syncbn import SyncBatchNorm
+
+    gluon_syncbn.configure_cpu_contexts(2)
 
     class Nop(mx.operator.CustomOp):
         def forward(self, is_train, req, in_data, out_data, aux):
@@ -186,11 +189,12 @@ def overhead_worker(cfg):
 def memory_worker(cfg):
     """Resident memory of a training loop at checkpoints (steps); ``norm`` as in build()."""
     import numpy as np
-    import gluon_syncbn  # noqa: F401
+    import gluon_syncbn
     import mxnet as mx
     from mxnet import autograd, gluon
     import psutil
 
+    gluon_syncbn.configure_cpu_contexts(cfg['n'])
     ctxs = [mx.cpu(i) for i in range(cfg['n'])]
     net = build('small', cfg.get('norm', 'ours'), cfg['n'])
     net.initialize(mx.init.Xavier(), ctx=ctxs)

@@ -37,6 +37,7 @@ def worker(cfg):
     from bench import build
 
     backend, devices = cfg['backend'], cfg['devices']
+    gluon_syncbn.configure_cpu_contexts(devices)
     if backend == 'horovod':
         import horovod.mxnet as hvd
         hvd.init()

@@ -11,6 +11,8 @@ import gluon_syncbn
 import mxnet as mx
 from mxnet import autograd
 
+gluon_syncbn.configure_cpu_contexts(2)
+
 
 def bench(name, f, grad=True, n=30):
     ts = []

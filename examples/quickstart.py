@@ -7,13 +7,18 @@ on the concatenated batch) and trains a small conv net with gluon.Trainer.
 """
 import numpy as np
 
-import gluon_syncbn  # import before MXNet runs its first operator
+import gluon_syncbn
 import mxnet as mx
 from mxnet import autograd, gluon
 
 from gluon_syncbn import SyncBatchNorm
 
-ctxs = [mx.cpu(i) for i in range(4)]   # use [mx.gpu(i) ...] on a GPU machine
+# Several CPU contexts share MXNet's CPU resources: size them before the first
+# operator runs. (Not needed on GPUs: use [mx.gpu(i) ...] there.)
+gluon_syncbn.configure_cpu_contexts(4)
+ctxs = [mx.cpu(i) for i in range(4)]
+mx.random.seed(0)                      # the same run every time
+np.random.seed(0)                      # (DataLoader's shuffle)
 batch = 4                              # one image per device
 
 net = gluon.nn.HybridSequential()
@@ -34,21 +39,29 @@ print('output mean over the whole batch, per channel: %.1e (0 expected)'
 print('output std  over the whole batch, per channel: %.5f (1 expected)'
       % y.std(axis=(0, 2, 3)).mean())
 
-# 2. An ordinary data-parallel training loop.
+# 2. An ordinary data-parallel training loop: 64 noisy images of 3 classes
+# (horizontal stripes, vertical stripes, checkerboard), batches of 4 split
+# over the devices.
+rng = np.random.RandomState(1)
+rows, cols = np.indices((16, 16)) % 2
+patterns = np.stack([rows, cols, rows ^ cols]) * 2.0 - 1.0
+labels = rng.randint(0, 3, 64)
+images = (rng.randn(64, 3, 16, 16) + patterns[labels][:, None]).astype(np.float32)
+loader = gluon.data.DataLoader(gluon.data.ArrayDataset(images, labels), batch_size=batch,
+                               shuffle=True, last_batch='discard')
 trainer = gluon.Trainer(net.collect_params(), 'sgd', {'learning_rate': 0.05})
 loss_fn = gluon.loss.SoftmaxCrossEntropyLoss()
-rng = np.random.RandomState(1)
-for step in range(20):
-    labels = rng.randint(0, 3, batch)
-    images = rng.randn(batch, 3, 16, 16).astype(np.float32) + labels[:, None, None, None]
-    xs = gluon.utils.split_and_load(images, ctxs)
-    ys = gluon.utils.split_and_load(labels, ctxs)
-    with autograd.record():
-        losses = [loss_fn(net(a), b) for a, b in zip(xs, ys)]
-    autograd.backward(losses)
-    trainer.step(batch)
-    if step % 5 == 4:
-        print('step %2d  loss %.4f' % (step + 1, np.mean([l.mean().asscalar() for l in losses])))
+for epoch in range(5):
+    total = 0.0
+    for data, label in loader:
+        xs = gluon.utils.split_and_load(data, ctxs)
+        ys = gluon.utils.split_and_load(label, ctxs)
+        with autograd.record():
+            losses = [loss_fn(net(a), b) for a, b in zip(xs, ys)]
+        autograd.backward(losses)
+        trainer.step(batch)
+        total += sum(l.sum().asscalar() for l in losses)
+    print('epoch %d  mean training loss %.4f' % (epoch + 1, total / len(images)))
 bn = net[1]
 same = all((bn.running_mean.data(c).asnumpy() == bn.running_mean.data(ctxs[0]).asnumpy()).all()
            for c in ctxs)

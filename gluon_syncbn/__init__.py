@@ -4,9 +4,10 @@
 that normalizes with the statistics of the whole mini-batch across all
 devices, exactly as one BatchNorm on the concatenated batch would.
 """
-from . import engine as _engine
+from .engine import configure_cpu_contexts, configure_from_environment
 
-_engine.configure()  # before MXNet runs its first operator
+# Only if GLUON_SYNCBN_CPU_CONTEXTS asks for it: importing changes nothing else.
+configure_from_environment()
 
 import mxnet as _mx  # noqa: E402
 
@@ -34,4 +35,4 @@ def reset():
 
 __version__ = '0.1.0'
 __all__ = ['SyncBatchNorm', 'SyncBatchNormError', 'SyncBatchNormTimeout',
-           'convert_model', 'revert_model', 'reset']
+           'configure_cpu_contexts', 'convert_model', 'revert_model', 'reset']

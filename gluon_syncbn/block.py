@@ -9,7 +9,7 @@ from mxnet.gluon import HybridBlock
 from . import op as _op
 from . import registry
 from .transport import make_transport
-from .engine import is_naive_engine, mkldnn_active
+from .engine import check_cpu_contexts, is_naive_engine, mkldnn_active
 from .hooks import CENTER_OP, request_retrace
 from .errors import SyncBatchNormError
 
@@ -163,6 +163,10 @@ class SyncBatchNorm(HybridBlock):
     Running statistics are updated in the forward pass of every training call
     (``nn.BatchNorm`` on CPU updates them during backward); with forward and
     backward in each step, as in training, the two agree.
+
+    Several CPU contexts share MXNet's CPU resources: call
+    :func:`gluon_syncbn.configure_cpu_contexts` before MXNet runs its first
+    operator, or the first synchronized call raises :class:`SyncBatchNormError`.
     """
 
     def __init__(self, axis=1, momentum=0.9, epsilon=1e-5, center=True, scale=True,
@@ -242,6 +246,7 @@ class SyncBatchNorm(HybridBlock):
                 "ThreadedEnginePerDevice) or train on one device." % self.name)
         group = self._group
         if group is None or group.devices != devices:
+            check_cpu_contexts(self.name, devices)
             self._fast_ops = (mkldnn_active() and all(d.startswith('cpu') for d in devices)
                                  and os.environ.get('GLUON_SYNCBN_CONV_NORMALIZE', '1') != '0')
             group = registry.SyncGroup(self._group_id, self.name, devices,

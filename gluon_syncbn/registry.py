@@ -94,8 +94,9 @@ LAST_BATCH_HINT = (
 CPU_SLOTS_HINT = (
     " If every device was fed: CPU contexts share MXNet's temp-space and random-number "
     "slots, and a network with many Dropout (or other) layers between the devices' calls "
-    "can use them all; set MXNET_CPU_PARALLEL_RAND_COPY / MXNET_CPU_TEMP_COPY higher "
-    "(currently %s / %s) before importing mxnet.")
+    "can use them all (now MXNET_CPU_PARALLEL_RAND_COPY=%s, MXNET_CPU_TEMP_COPY=%s): pass "
+    "larger random_slots= / temp_slots= to gluon_syncbn.configure_cpu_contexts() at the "
+    "start of the program.")
 
 
 def timeout_hint(devices):

@@ -17,7 +17,10 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import gluon_syncbn  # noqa: E402  (configures the engine before MXNet runs)
+import gluon_syncbn  # noqa: E402
+
+gluon_syncbn.configure_cpu_contexts(2)  # workers use 1-2 CPU contexts
+
 import mxnet as mx  # noqa: E402
 from mxnet import autograd, gluon  # noqa: E402
 

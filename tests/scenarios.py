@@ -11,7 +11,12 @@ import time
 
 import numpy as np
 
-import gluon_syncbn  # noqa: F401  (configures the engine before MXNet runs)
+import gluon_syncbn
+
+# The explicit step for CPU contexts, before MXNet runs its first operator.
+# Scenarios use up to 4 contexts.
+gluon_syncbn.configure_cpu_contexts(4)
+
 import mxnet as mx
 from mxnet import autograd, gluon
 

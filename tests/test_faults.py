@@ -72,6 +72,7 @@ def test_num_devices_larger_than_contexts_is_refused(hybridize):
 def test_interpreter_exit_does_not_wait_for_a_missing_partner():
     # device 1 never calls; the script exits while device 0's call waits
     code = ('import time, gluon_syncbn, mxnet as mx\n'
+            'gluon_syncbn.configure_cpu_contexts(2)\n'
             'from mxnet import autograd\n'
             'bn = gluon_syncbn.SyncBatchNorm(in_channels=3, timeout=100)\n'
             'bn.initialize(ctx=[mx.cpu(0), mx.cpu(1)])\n'

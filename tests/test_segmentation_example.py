@@ -93,3 +93,21 @@ def test_tiny_training_run_learns_and_checkpoints_round_trip(tmp_path):
     resumed = run_train(common + ['--epochs', '4', '--aux', '--no-figures', '--resume',
                                   os.path.join(save, 'epoch_0002.params')])
     assert len(resumed['loss']) == 4   # epochs 3 and 4 appended to the saved history
+
+
+@pytest.mark.parametrize('module,package,flags', [
+    ('matplotlib', 'matplotlib', []),
+    ('tqdm', 'tqdm', ['--no-figures']),
+])
+def test_missing_dependency_stops_before_training(tmp_path, module, package, flags):
+    # The package made unimportable the way a fresh environment would lack it.
+    save = str(tmp_path / 'run')
+    code = ('import runpy, sys; sys.modules[%r] = None; sys.argv = %r; '
+            'runpy.run_path(%r, run_name="__main__")'
+            % (module, [TRAIN, '--epochs', '1', '--save-dir', save] + flags, TRAIN))
+    out = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True,
+                         timeout=120, cwd=ROOT)
+    assert out.returncode != 0
+    assert 'missing %s' % package in out.stderr, out.stderr[-2000:]
+    assert 'pip install -e ".[examples]"' in out.stderr
+    assert not os.path.exists(save)            # stopped before training or logging began

@@ -22,7 +22,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
 
-import gluon_syncbn  # noqa: E402  (before MXNet runs its first operator)
+import gluon_syncbn  # noqa: E402
 import mxnet as mx  # noqa: E402
 from mxnet import autograd, gluon  # noqa: E402
 
@@ -60,12 +60,37 @@ def parse_args(argv=None):
         p.error('--eval needs --resume CHECKPOINT')
     if args.dataset == 'voc' and not args.data_root:
         p.error('--dataset voc needs --data-root')
+    check_dependencies(args)
     return args
 
 
+INSTALL_EXAMPLES = 'pip install -e ".[examples]"  (from the gluon_syncbn folder)'
+
+
+def check_dependencies(args):
+    """Stop before training, not after it, if a package this run needs is missing."""
+    needed = [('tqdm', 'tqdm', 'the progress bar')]
+    if args.figures:
+        needed.append(('matplotlib', 'matplotlib', 'the figures (or pass --no-figures)'))
+    if args.dataset == 'voc':
+        needed.append(('PIL', 'pillow', 'reading VOC images'))
+    missing = []
+    for module, package, why in needed:
+        try:
+            __import__(module)
+        except ImportError:
+            missing.append('%s (for %s)' % (package, why))
+    if missing:
+        raise SystemExit('train.py: missing %s. Install the example\'s dependencies:\n    %s'
+                         % (', '.join(missing), INSTALL_EXAMPLES))
+
+
 def contexts(args):
+    """The devices; call before MXNet runs its first operator (engine settings)."""
     if args.gpus:
         return [mx.gpu(int(i)) for i in args.gpus.split(',')]
+    # SyncBatchNorm on several CPU contexts needs MXNet's shared CPU resources sized first.
+    gluon_syncbn.configure_cpu_contexts(args.num_devices)
     return [mx.cpu(i) for i in range(args.num_devices)]
 
 
@@ -135,11 +160,12 @@ def evaluate(net, loader, ctxs, num_classes, train_mode=False):
 
 
 def train(args):
+    from tqdm import tqdm  # checked by parse_args
+    ctxs = contexts(args)  # first: mx.random.seed already starts MXNet's resources
     mx.random.seed(args.seed)
     np.random.seed(args.seed)
     os.makedirs(args.save_dir, exist_ok=True)
     log = setup_logging(args.save_dir)
-    ctxs = contexts(args)
     train_set, val_set = datasets(args)
     num_classes = train_set.num_classes
     train_loader, val_loader = loaders(args, train_set, val_set, len(ctxs))
@@ -167,7 +193,8 @@ def train(args):
              args.dataset)
     for epoch in range(start_epoch, args.epochs):
         tic, total, count = time.time(), 0.0, 0
-        bar = Progress(iters_per_epoch, 'epoch %d/%d' % (epoch + 1, args.epochs))
+        bar = tqdm(total=iters_per_epoch, desc='epoch %d/%d' % (epoch + 1, args.epochs),
+                   leave=False)
         for i, (data, label) in enumerate(train_loader):
             it = epoch * iters_per_epoch + i
             trainer.set_learning_rate(args.lr * (1 - it / max_iter) ** 0.9)   # poly
@@ -191,7 +218,8 @@ def train(args):
             trainer.step(n_pixels)  # gradients of the mean loss over valid pixels
             total += sum(float(l.asscalar()) for l in losses) / n_pixels
             count += 1
-            bar.update(i + 1, 'loss %.4f lr %.4f' % (total / count, trainer.learning_rate))
+            bar.update(1)
+            bar.set_postfix_str('loss %.4f lr %.4f' % (total / count, trainer.learning_rate))
         bar.close()
         pixacc, miou = evaluate(net, val_loader, ctxs, num_classes)
         history['loss'].append(total / max(count, 1))
@@ -223,33 +251,6 @@ def setup_logging(save_dir):
         handler.setFormatter(fmt)
         log.addHandler(handler)
     return log
-
-
-class Progress(object):
-    """tqdm if installed, else a one-line text bar."""
-
-    def __init__(self, total, desc):
-        try:
-            from tqdm import tqdm
-            self.bar = tqdm(total=total, desc=desc, leave=False)
-        except ImportError:
-            self.bar = None
-        self.total, self.desc = total, desc
-
-    def update(self, n, text):
-        if self.bar is not None:
-            self.bar.update(1)
-            self.bar.set_postfix_str(text)
-        else:
-            sys.stdout.write('\r%s [%-20s] %d/%d %s' % (
-                self.desc, '#' * int(20 * n / self.total), n, self.total, text))
-            sys.stdout.flush()
-
-    def close(self):
-        if self.bar is not None:
-            self.bar.close()
-        else:
-            sys.stdout.write('\n')
 
 
 def figures(args, net, val_set, ctxs, history):

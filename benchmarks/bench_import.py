@@ -1,0 +1,188 @@
+"""What importing gluon_syncbn, and configuring CPU contexts, costs other code.
+
+Two measurements, each process fresh, with a deadline:
+
+* ``--import``: plain model-zoo ``resnet18_v1`` (no SyncBatchNorm anywhere)
+  trained on ONE CPU context, hybridized with static_alloc, in two processes
+  that differ only by ``import gluon_syncbn`` at the top: resident memory at
+  checkpoints and the time for the steps. Run in turns (A B A B ...) so both
+  see the same machine noise; medians of the ratios.
+* ``--settings``: resident memory of SyncBatchNorm training on N CPU contexts
+  under ``configure_cpu_contexts(N)`` (small net and ResNet-18-like of
+  bench.py), against the same net with plain ``nn.BatchNorm`` under MXNet's
+  defaults, which is what those contexts would cost without synchronizing.
+
+    python benchmarks/bench_import.py                     # both -> results_import.md
+    python benchmarks/bench_import.py --import --steps 60 # quick
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+
+# ----------------------------------------------------------------- worker side
+def one_context_training(cfg):
+    """Train ``resnet18_v1`` on cpu(0); RSS (MB) at ``checkpoints`` and seconds per phase."""
+    if cfg['import_first']:
+        import gluon_syncbn  # noqa: F401  (the only difference)
+    import numpy as np
+    import mxnet as mx
+    from mxnet import autograd, gluon
+    import psutil
+
+    size, batch = cfg.get('size', 64), cfg.get('batch', 8)
+    net = gluon.model_zoo.vision.resnet18_v1(classes=10)
+    net.initialize(mx.init.Xavier(), ctx=mx.cpu(0))
+    net.hybridize(static_alloc=True)
+    trainer = gluon.Trainer(net.collect_params(), 'sgd', {'learning_rate': 0.01,
+                                                           'momentum': 0.9})
+    loss_fn = gluon.loss.SoftmaxCrossEntropyLoss()
+    rng = np.random.RandomState(0)
+    x = mx.nd.array(rng.randn(batch, 3, size, size))
+    y = mx.nd.array(rng.randint(0, 10, batch))
+    rss, seconds, start = {}, {}, time.perf_counter()
+    for step in range(1, cfg['steps'] + 1):
+        with autograd.record():
+            loss = loss_fn(net(x), y)
+        loss.backward()
+        trainer.step(batch)
+        mx.nd.waitall()
+        if step in cfg['checkpoints']:
+            rss[step] = psutil.Process().memory_info().rss / 2 ** 20
+            seconds[step] = time.perf_counter() - start
+    return {'rss_mb': rss, 'seconds': seconds,
+            'temp_slots': os.environ.get('MXNET_CPU_TEMP_COPY')}
+
+
+def settings_memory(cfg):
+    """Resident memory (MB) of a training loop on N CPU contexts at ``checkpoints``."""
+    import numpy as np
+    import gluon_syncbn
+    if cfg['norm'] == 'ours':
+        gluon_syncbn.configure_cpu_contexts(cfg['n'])
+    import mxnet as mx
+    from mxnet import autograd, gluon
+    import psutil
+    from bench import build
+
+    ctxs = [mx.cpu(i) for i in range(cfg['n'])]
+    net = build(cfg['arch'], cfg['norm'], cfg['n'])
+    net.initialize(mx.init.Xavier(), ctx=ctxs)
+    net.hybridize(static_alloc=True)
+    trainer = gluon.Trainer(net.collect_params(), 'sgd', {'learning_rate': 0.01,
+                                                           'momentum': 0.9})
+    loss_fn = gluon.loss.SoftmaxCrossEntropyLoss()
+    rng = np.random.RandomState(0)
+    size = 32 if cfg['arch'] == 'small' else 64
+    xs = [mx.nd.array(rng.randn(8, 3, size, size), ctx=c) for c in ctxs]
+    ys = [mx.nd.array(rng.randint(0, 10, 8), ctx=c) for c in ctxs]
+    rss = {}
+    for step in range(1, cfg['steps'] + 1):
+        with autograd.record():
+            losses = [loss_fn(net(x), y) for x, y in zip(xs, ys)]
+        autograd.backward(losses)
+        trainer.step(8 * len(ctxs))
+        mx.nd.waitall()
+        if step in cfg['checkpoints']:
+            rss[step] = psutil.Process().memory_info().rss / 2 ** 20
+    return {'rss_mb': rss, 'temp_slots': os.environ.get('MXNET_CPU_TEMP_COPY'),
+            'random_slots': os.environ.get('MXNET_CPU_PARALLEL_RAND_COPY')}
+
+
+# ----------------------------------------------------------------- driver side
+def run(kind, cfg, timeout):
+    """Run ``kind(cfg)`` in a fresh process whose environment sets no MXNet slots."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ('MXNET_CPU_TEMP_COPY', 'MXNET_CPU_PARALLEL_RAND_COPY',
+                        'GLUON_SYNCBN_CPU_CONTEXTS')}
+    env['PYTHONPATH'] = ROOT + os.pathsep + HERE
+    code = ('import json, sys, bench_import; '
+            'print("RESULT " + json.dumps(bench_import.%s(json.loads(sys.argv[1]))))' % kind)
+    out = subprocess.run([sys.executable, '-c', code, json.dumps(cfg)], capture_output=True,
+                         text=True, timeout=timeout, cwd=HERE, env=env)
+    for line in out.stdout.splitlines():
+        if line.startswith('RESULT '):
+            return json.loads(line[7:])
+    raise RuntimeError('%s %s failed:\n%s' % (kind, cfg, out.stderr[-3000:]))
+
+
+def compare_import(steps, checkpoints, rounds, timeout=1800):
+    """Ratios with/without the import: RSS at each checkpoint, time for all steps."""
+    cfg = dict(steps=steps, checkpoints=checkpoints)
+    runs = {True: [], False: []}
+    for _ in range(rounds):
+        for imported in (False, True):
+            runs[imported].append(run('one_context_training', dict(cfg, import_first=imported),
+                                      timeout))
+    last = str(steps)
+
+    def med(xs):
+        return sorted(xs)[len(xs) // 2]
+    return {
+        'rss_ratio': max(med([w['rss_mb'][str(c)] / wo['rss_mb'][str(c)]
+                              for w, wo in zip(runs[True], runs[False])]) for c in checkpoints),
+        'time_ratio': med([w['seconds'][last] / wo['seconds'][last]
+                           for w, wo in zip(runs[True], runs[False])]),
+        'with': runs[True], 'without': runs[False]}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument('--import', dest='do_import', action='store_true')
+    parser.add_argument('--settings', action='store_true')
+    parser.add_argument('--steps', type=int, default=400)
+    parser.add_argument('--rounds', type=int, default=2)
+    parser.add_argument('--out', default=os.path.join(HERE, 'results_import'))
+    args = parser.parse_args()
+    both = not (args.do_import or args.settings)
+    lines = ['Measured %s, MXNet 1.9.1 CPU wheel, %s CPUs.' % (time.strftime('%Y-%m-%d'),
+                                                                os.cpu_count()), '']
+    raw = {}
+    if args.do_import or both:
+        checkpoints = sorted({min(50, args.steps), args.steps // 2, args.steps})
+        res = compare_import(args.steps, checkpoints, args.rounds)
+        raw['import'] = res
+        lines += ['One CPU context, model-zoo resnet18_v1, 64x64, batch 8, hybridized '
+                  '(static_alloc), %d steps, %d rounds in turns:' % (args.steps, args.rounds), '',
+                  '| | RSS MB at steps %s | seconds for %d steps |' % (
+                      ' / '.join(map(str, checkpoints)), args.steps), '|---|---|---|']
+        for label, key in (('without the import', 'without'), ('with the import', 'with')):
+            r = res[key][0]
+            lines.append('| %s | %s | %.1f |' % (label, ' / '.join(
+                '%.0f' % r['rss_mb'][str(c)] for c in checkpoints), r['seconds'][str(args.steps)]))
+        lines += ['', 'with / without, median over rounds: RSS %.3fx (worst checkpoint), '
+                  'time %.3fx' % (res['rss_ratio'], res['time_ratio']), '']
+        print('\n'.join(lines), flush=True)
+    if args.settings or both:
+        lines += ['Resident memory (MB) after 20 / 100 / 200 training steps, hybridized, '
+                  '8 images per device, every process fresh: SyncBatchNorm under '
+                  '`configure_cpu_contexts(N)` against nn.BatchNorm under MXNet\'s defaults.',
+                  '', '| net | N | slots (temp / random) | nn.BatchNorm, defaults | '
+                  'SyncBatchNorm, configured | extra |', '|---|---|---|---|---|---|']
+        raw['settings'] = []
+        for arch in ('small', 'resnet'):
+            for n in (2, 4):
+                cfg = dict(arch=arch, n=n, steps=200, checkpoints=[20, 100, 200])
+                plain = run('settings_memory', dict(cfg, norm='plain'), 3600)
+                ours = run('settings_memory', dict(cfg, norm='ours'), 3600)
+                raw['settings'].append({'cfg': cfg, 'plain': plain, 'ours': ours})
+                line = '| %s | %d | %s / %s | %s | %s | %+.0f |' % (
+                    arch, n, ours['temp_slots'], ours['random_slots'],
+                    ' / '.join('%.0f' % v for v in plain['rss_mb'].values()),
+                    ' / '.join('%.0f' % v for v in ours['rss_mb'].values()),
+                    ours['rss_mb']['200'] - plain['rss_mb']['200'])
+                lines.append(line)
+                print(line, flush=True)
+    open(args.out + '.md', 'w').write('\n'.join(lines) + '\n')
+    json.dump(raw, open(args.out + '.json', 'w'), indent=1)
+    print('\n'.join(lines))
+
+
+if __name__ == '__main__':
+    main()

@@ -1,0 +1,153 @@
+"""Importing gluon_syncbn costs nothing; CPU contexts take one explicit step.
+
+Every process here is fresh, with a deadline, and starts without MXNet's slot
+variables in its environment.
+"""
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from gluon_syncbn import engine
+from tests.conftest import ROOT
+
+SLOT_VARIABLES = ('MXNET_CPU_TEMP_COPY', 'MXNET_CPU_PARALLEL_RAND_COPY',
+                  'GLUON_SYNCBN_CPU_CONTEXTS')
+
+
+def python(code, timeout=120, **env):
+    clean = {k: v for k, v in os.environ.items() if k not in SLOT_VARIABLES}
+    clean.update(env, PYTHONPATH=ROOT)
+    start = time.time()
+    out = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True,
+                         timeout=timeout, cwd=ROOT, env=clean)
+    return out, time.time() - start
+
+
+SHOW_SLOTS = ('import os, gluon_syncbn\n'
+              'print("SLOTS", os.environ.get("MXNET_CPU_TEMP_COPY"), '
+              'os.environ.get("MXNET_CPU_PARALLEL_RAND_COPY"))\n')
+
+
+def slots(out):
+    line = [l for l in out.stdout.splitlines() if l.startswith('SLOTS')]
+    assert line, out.stderr[-2000:]
+    return line[0].split()[1:]
+
+
+def test_import_leaves_mxnet_settings_alone():
+    out, _ = python(SHOW_SLOTS)
+    assert slots(out) == ['None', 'None']
+
+
+@pytest.mark.parametrize('contexts,expected', [('2', ['512', '16']), ('4', ['1024', '32']),
+                                               ('8', ['1024', '64']), ('1', ['None', 'None'])])
+def test_environment_variable_is_the_explicit_step(contexts, expected):
+    out, _ = python(SHOW_SLOTS, GLUON_SYNCBN_CPU_CONTEXTS=contexts)
+    assert slots(out) == expected
+
+
+def test_bad_environment_variable_names_itself():
+    out, _ = python(SHOW_SLOTS, GLUON_SYNCBN_CPU_CONTEXTS='four')
+    assert out.returncode != 0
+    assert "GLUON_SYNCBN_CPU_CONTEXTS='four'" in out.stderr and 'e.g.' in out.stderr
+
+
+@pytest.fixture
+def fresh_engine(monkeypatch):
+    for name in SLOT_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(engine, '_configured_contexts', [0])
+
+
+def test_configure_sizes_from_contexts_and_never_lowers(fresh_engine, monkeypatch):
+    assert engine.configure_cpu_contexts(3) == {'MXNET_CPU_TEMP_COPY': '768',
+                                                'MXNET_CPU_PARALLEL_RAND_COPY': '24'}
+    monkeypatch.setenv('MXNET_CPU_TEMP_COPY', '2048')
+    assert engine.configure_cpu_contexts(2, random_slots=40) == {
+        'MXNET_CPU_TEMP_COPY': '2048', 'MXNET_CPU_PARALLEL_RAND_COPY': '40'}
+    for bad in (0, -1, 2.5, True, 'two'):
+        with pytest.raises((ValueError, TypeError)):
+            engine.configure_cpu_contexts(bad)
+
+
+def test_check_passes_for_gpus_one_cpu_and_configured_counts(fresh_engine, monkeypatch):
+    engine.check_cpu_contexts('bn', ['gpu(0)', 'gpu(1)', 'gpu(2)'])
+    engine.check_cpu_contexts('bn', ['cpu(0)'])
+    with pytest.raises(engine.SyncBatchNormError, match=r'configure_cpu_contexts\(2\)'):
+        engine.check_cpu_contexts('bn', ['cpu(0)', 'cpu(1)'])
+    engine.configure_cpu_contexts(2)
+    engine.check_cpu_contexts('bn', ['cpu(0)', 'cpu(1)'])
+    with pytest.raises(engine.SyncBatchNormError,
+                       match=r'configured for 2 CPU contexts, but this layer synchronizes 4'):
+        engine.check_cpu_contexts('bn', ['cpu(%d)' % i for i in range(4)])
+
+
+def test_settings_made_by_hand_count_as_the_step(fresh_engine, monkeypatch):
+    monkeypatch.setenv('MXNET_CPU_TEMP_COPY', '256')
+    monkeypatch.setenv('MXNET_CPU_PARALLEL_RAND_COPY', '16')
+    engine.check_cpu_contexts('bn', ['cpu(%d)' % i for i in range(4)])
+    monkeypatch.setenv('MXNET_CPU_TEMP_COPY', '8')   # too few to be a choice for this
+    with pytest.raises(engine.SyncBatchNormError, match='MXNET_CPU_TEMP_COPY=8'):
+        engine.check_cpu_contexts('bn', ['cpu(0)', 'cpu(1)'])
+
+
+UNCONFIGURED = '''
+import time, gluon_syncbn, mxnet as mx
+from mxnet import autograd
+{configure}
+ctxs = [mx.cpu(i) for i in range({n})]
+net = mx.gluon.nn.HybridSequential()
+net.add(mx.gluon.nn.Conv2D(4, 3), gluon_syncbn.SyncBatchNorm(in_channels=4, timeout=100))
+net.initialize(ctx=ctxs)
+if {hybridize}:
+    net.hybridize()
+start = time.time()
+try:
+    with autograd.record():
+        ys = [net(mx.nd.ones((2, 3, 6, 6), ctx=c)) for c in ctxs]
+    mx.nd.waitall()
+    print('NO ERROR')
+except gluon_syncbn.SyncBatchNormError as exc:
+    print('ERROR %.2f %s' % (time.time() - start, exc))
+'''
+
+
+@pytest.mark.parametrize('hybridize', [False, True])
+def test_missing_step_fails_at_once_naming_the_line_to_add(hybridize):
+    out, seconds = python(UNCONFIGURED.format(configure='', n=2, hybridize=hybridize))
+    assert 'ERROR' in out.stdout, out.stdout + out.stderr[-2000:]
+    message = out.stdout.split('ERROR', 1)[1]
+    assert "SyncBatchNorm 'syncbatchnorm0'" in message
+    assert 'gluon_syncbn.configure_cpu_contexts(2)' in message
+    assert 'GLUON_SYNCBN_CPU_CONTEXTS=2' in message
+    assert float(message.split()[0]) < 5     # at once, not the layer's 100 s timeout
+    assert seconds < 60
+
+
+def test_step_for_fewer_contexts_than_used_is_refused():
+    out, _ = python(UNCONFIGURED.format(configure='gluon_syncbn.configure_cpu_contexts(2)',
+                                        n=3, hybridize=False))
+    assert 'configured for 2 CPU contexts, but this layer synchronizes 3' in out.stdout, \
+        out.stdout + out.stderr[-2000:]
+    assert 'configure_cpu_contexts(3)' in out.stdout
+
+
+def test_configured_step_trains():
+    out, _ = python(UNCONFIGURED.format(configure='gluon_syncbn.configure_cpu_contexts(3)',
+                                        n=3, hybridize=True))
+    assert 'NO ERROR' in out.stdout, out.stdout + out.stderr[-2000:]
+
+
+def test_import_costs_nothing_to_one_context_training():
+    # resnet18_v1 on one CPU context, with and without the import, in turns.
+    # Importing used to set 1024 temp-space slots: 17x the memory and 3.4x the
+    # time over these 60 steps. Loose bounds: this machine is noisy.
+    sys.path.insert(0, os.path.join(ROOT, 'benchmarks'))
+    import bench_import  # pylint: disable=import-outside-toplevel
+    res = bench_import.compare_import(steps=60, checkpoints=[30, 60], rounds=1, timeout=300)
+    assert res['with'][0]['temp_slots'] is None
+    assert res['rss_ratio'] < 1.2, res
+    assert res['time_ratio'] < 1.5, res
