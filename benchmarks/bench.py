@@ -187,34 +187,42 @@ def overhead_worker(cfg):
 
 
 def memory_worker(cfg):
-    """Resident memory of a training loop at checkpoints (steps); ``norm`` as in build()."""
+    """Resident memory (MB) of a training loop at ``checkpoints`` (steps).
+
+    ``norm`` as in build(); ``arch`` (default 'small'), ``per_device`` images
+    of ``size`` x ``size`` (default 2 of 16x16); ``configure=False`` leaves
+    MXNet's engine settings at their defaults.
+    """
     import numpy as np
     import gluon_syncbn
+    if cfg.get('configure', True):
+        gluon_syncbn.configure_cpu_contexts(cfg['n'])
     import mxnet as mx
     from mxnet import autograd, gluon
     import psutil
 
-    gluon_syncbn.configure_cpu_contexts(cfg['n'])
     ctxs = [mx.cpu(i) for i in range(cfg['n'])]
-    net = build('small', cfg.get('norm', 'ours'), cfg['n'])
+    net = build(cfg.get('arch', 'small'), cfg.get('norm', 'ours'), cfg['n'])
     net.initialize(mx.init.Xavier(), ctx=ctxs)
     if cfg['hybridize']:
         net.hybridize(static_alloc=True)
     trainer = gluon.Trainer(net.collect_params(), 'sgd', {'learning_rate': 0.01, 'momentum': 0.9})
     loss_fn = gluon.loss.SoftmaxCrossEntropyLoss()
     rng = np.random.RandomState(0)
+    per_device, size = cfg.get('per_device', 2), cfg.get('size', 16)
     rss = {}
     for step in range(1, cfg['steps'] + 1):
-        xs = [mx.nd.array(rng.randn(2, 3, 16, 16), ctx=c) for c in ctxs]
-        ys = [mx.nd.array(rng.randint(0, 10, 2), ctx=c) for c in ctxs]
+        xs = [mx.nd.array(rng.randn(per_device, 3, size, size), ctx=c) for c in ctxs]
+        ys = [mx.nd.array(rng.randint(0, 10, per_device), ctx=c) for c in ctxs]
         with autograd.record():
             losses = [loss_fn(net(x), y) for x, y in zip(xs, ys)]
         autograd.backward(losses)
-        trainer.step(2 * len(ctxs))
+        trainer.step(per_device * len(ctxs))
         mx.nd.waitall()
         if step in cfg['checkpoints']:
             rss[step] = psutil.Process().memory_info().rss / 2 ** 20
-    return {'rss_mb': rss}
+    return {'rss_mb': rss, 'temp_slots': os.environ.get('MXNET_CPU_TEMP_COPY'),
+            'random_slots': os.environ.get('MXNET_CPU_PARALLEL_RAND_COPY')}
 
 
 # ----------------------------------------------------------------- driver side

@@ -61,38 +61,10 @@ def one_context_training(cfg):
 
 
 def settings_memory(cfg):
-    """Resident memory (MB) of a training loop on N CPU contexts at ``checkpoints``."""
-    import numpy as np
-    import gluon_syncbn
-    if cfg['norm'] == 'ours':
-        gluon_syncbn.configure_cpu_contexts(cfg['n'])
-    import mxnet as mx
-    from mxnet import autograd, gluon
-    import psutil
-    from bench import build
-
-    ctxs = [mx.cpu(i) for i in range(cfg['n'])]
-    net = build(cfg['arch'], cfg['norm'], cfg['n'])
-    net.initialize(mx.init.Xavier(), ctx=ctxs)
-    net.hybridize(static_alloc=True)
-    trainer = gluon.Trainer(net.collect_params(), 'sgd', {'learning_rate': 0.01,
-                                                           'momentum': 0.9})
-    loss_fn = gluon.loss.SoftmaxCrossEntropyLoss()
-    rng = np.random.RandomState(0)
-    size = 32 if cfg['arch'] == 'small' else 64
-    xs = [mx.nd.array(rng.randn(8, 3, size, size), ctx=c) for c in ctxs]
-    ys = [mx.nd.array(rng.randint(0, 10, 8), ctx=c) for c in ctxs]
-    rss = {}
-    for step in range(1, cfg['steps'] + 1):
-        with autograd.record():
-            losses = [loss_fn(net(x), y) for x, y in zip(xs, ys)]
-        autograd.backward(losses)
-        trainer.step(8 * len(ctxs))
-        mx.nd.waitall()
-        if step in cfg['checkpoints']:
-            rss[step] = psutil.Process().memory_info().rss / 2 ** 20
-    return {'rss_mb': rss, 'temp_slots': os.environ.get('MXNET_CPU_TEMP_COPY'),
-            'random_slots': os.environ.get('MXNET_CPU_PARALLEL_RAND_COPY')}
+    """bench.memory_worker, hybridized, 8 images per device; configured only for 'ours'."""
+    from bench import memory_worker
+    return memory_worker(dict(cfg, hybridize=True, per_device=8, configure=cfg['norm'] == 'ours',
+                              size=32 if cfg['arch'] == 'small' else 64))
 
 
 # ----------------------------------------------------------------- driver side

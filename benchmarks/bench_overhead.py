@@ -1,0 +1,165 @@
+"""Host cost of a synchronized BN call: a deep net on tiny tensors.
+
+On GPUs the arithmetic runs on the devices; what is left on the host is the
+cost of issuing and synchronizing every BN call on every device. This measures
+that regime on CPU contexts: 53 x (conv 1x1 + BN + relu), a ResNet-50-deep
+stack, on (2, 16, 2, 2) per device, forward + backward, with plain
+``nn.BatchNorm`` (the floor), MXNet's ``contrib.nn.SyncBatchNorm`` and
+gluon_syncbn's ``SyncBatchNorm``. Each (N, mode) runs in its own process with
+a deadline; the variants there take turns step by step, and each is reported
+as a ratio to plain in that process, and as milliseconds added per BN call per
+device: ``(t - t_plain) / (53 * N)``. A variant that hangs or fails is retried
+alone beside plain in a fresh process, so the others still get their numbers.
+
+    python benchmarks/bench_overhead.py                 # N = 2, 4, 8 -> results_overhead.md
+    python benchmarks/bench_overhead.py --n 2 --steps 10
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+LAYERS = 53
+VARIANTS = ('plain', 'contrib', 'ours')
+
+
+# ----------------------------------------------------------------- worker side
+def worker(cfg):
+    """Median step time (s) per variant for one (N, mode)."""
+    import numpy as np
+    import gluon_syncbn
+    n = cfg['n']
+    gluon_syncbn.configure_cpu_contexts(n)  # every variant under the same settings
+    import mxnet as mx
+    from mxnet import autograd, gluon
+
+    ctxs = [mx.cpu(i) for i in range(n)]
+
+    def norm(kind):
+        if kind == 'plain':
+            return gluon.nn.BatchNorm(in_channels=16)
+        if kind == 'contrib':
+            return gluon.contrib.nn.SyncBatchNorm(in_channels=16, num_devices=n)
+        return gluon_syncbn.SyncBatchNorm(in_channels=16, timeout=cfg['sync_timeout'])
+
+    steps = {}
+    rng = np.random.RandomState(0)
+    for kind in cfg['variants']:
+        net = gluon.nn.HybridSequential()
+        for _ in range(LAYERS):
+            net.add(gluon.nn.Conv2D(16, 1, use_bias=False, in_channels=16), norm(kind),
+                    gluon.nn.Activation('relu'))
+        net.initialize(mx.init.Xavier(), ctx=ctxs)
+        if cfg['hybridize']:
+            net.hybridize(static_alloc=True, static_shape=True)
+        xs = [mx.nd.array(rng.randn(2, 16, 2, 2), ctx=c) for c in ctxs]
+
+        def step(net=net, xs=xs):
+            with autograd.record():
+                ys = [net(x) for x in xs]
+            autograd.backward(ys)
+            mx.nd.waitall()
+        steps[kind] = step
+    times = {kind: [] for kind in steps}
+    for i in range(cfg['warmup'] + cfg['steps']):
+        for kind, step in steps.items():   # interleaved: same noise for all
+            t = time.perf_counter()
+            step()
+            if i >= cfg['warmup']:
+                times[kind].append(time.perf_counter() - t)
+    return {kind: sorted(ts)[len(ts) // 2] for kind, ts in times.items()}
+
+
+# ----------------------------------------------------------------- driver side
+def run(cfg, timeout):
+    """``worker(cfg)`` in a fresh process; a dict, or 'hang' / 'error: ...'."""
+    code = ('import json, sys; sys.path.insert(0, %r); sys.path.insert(0, %r); '
+            'import bench_overhead as b; print("RESULT " + json.dumps(b.worker('
+            'json.loads(sys.argv[1]))))' % (ROOT, HERE))
+    try:
+        out = subprocess.run([sys.executable, '-c', code, json.dumps(cfg)],
+                             capture_output=True, text=True, timeout=timeout, cwd=HERE)
+    except subprocess.TimeoutExpired:
+        return 'hang'
+    for line in out.stdout.splitlines():
+        if line.startswith('RESULT '):
+            return json.loads(line[7:])
+    lines = [l for l in out.stderr.strip().splitlines() if 'Error' in l] or \
+        out.stderr.strip().splitlines() or ['?']
+    return 'error: ' + lines[-1][:300]
+
+
+def measure(n, hybridize, args):
+    """Median step times for every variant of one (N, mode), or why there are none."""
+    cfg = dict(n=n, hybridize=hybridize, steps=args.steps, warmup=args.warmup,
+               sync_timeout=args.sync_timeout, variants=list(VARIANTS))
+    res = run(cfg, args.deadline)
+    if isinstance(res, dict):
+        return res
+    # Something hung or failed: each synchronized variant alone beside plain.
+    found = {'first try': res}
+    for kind in VARIANTS[1:]:
+        alone = run(dict(cfg, variants=['plain', kind]), args.deadline)
+        if isinstance(alone, dict):
+            found.setdefault('plain', alone['plain'])
+            found[kind + '_vs_plain'] = alone[kind] / alone['plain']
+            found[kind] = alone[kind] * found['plain'] / alone['plain']
+        else:
+            found[kind] = alone
+    return found
+
+
+def row(n, hybridize, res):
+    mode = 'hybridized' if hybridize else 'imperative'
+    plain = res.get('plain')
+    cells = []
+    for kind in ('contrib', 'ours'):
+        t = res.get(kind)
+        if isinstance(t, float) and isinstance(plain, float):
+            cells.append('%.1f ms (%.2fx, +%.3f ms/call)' % (
+                1e3 * t, t / plain, 1e3 * (t - plain) / (LAYERS * n)))
+        else:
+            cells.append(str(t if t is not None else res.get('first try')))
+    ours, contrib = res.get('ours'), res.get('contrib')
+    versus = ('%.1fx' % (ours / contrib) if isinstance(ours, float) and
+              isinstance(contrib, float) else '-')
+    return '| %d | %s | %s | %s | %s | %s |' % (
+        n, mode, '%.1f ms' % (1e3 * plain) if isinstance(plain, float) else plain,
+        cells[0], cells[1], versus)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument('--n', type=int, nargs='*', default=[2, 4, 8])
+    parser.add_argument('--steps', type=int, default=20)
+    parser.add_argument('--warmup', type=int, default=5)
+    parser.add_argument('--sync-timeout', type=float, default=30.0,
+                        help="gluon_syncbn's timeout: how soon a deadlock is reported")
+    parser.add_argument('--deadline', type=float, default=600.0, help='per process, seconds')
+    parser.add_argument('--out', default=os.path.join(HERE, 'results_overhead'))
+    args = parser.parse_args()
+    lines = ['Measured %s, MXNet 1.9.1 CPU wheel, %s CPUs, CPU contexts. %d x (conv 1x1 + BN + '
+             'relu) on (2, 16, 2, 2) per device, forward + backward + waitall, medians of %d '
+             'interleaved steps; in brackets: ratio to plain nn.BatchNorm in the same process, '
+             'and milliseconds added per BN call per device.'
+             % (time.strftime('%Y-%m-%d'), os.cpu_count(), LAYERS, args.steps), '',
+             '| N | mode | nn.BatchNorm | contrib SyncBatchNorm | gluon_syncbn | ours / contrib |',
+             '|---|---|---|---|---|---|']
+    raw = []
+    for n in args.n:
+        for hybridize in (True, False):
+            res = measure(n, hybridize, args)
+            raw.append(dict(n=n, hybridize=hybridize, result=res))
+            lines.append(row(n, hybridize, res))
+            print(lines[-1], flush=True)
+    open(args.out + '.md', 'w').write('\n'.join(lines) + '\n')
+    json.dump(raw, open(args.out + '.json', 'w'), indent=1)
+    print('\n'.join(lines))
+
+
+if __name__ == '__main__':
+    main()
