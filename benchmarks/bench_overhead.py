@@ -139,7 +139,7 @@ def main():
     parser.add_argument('--warmup', type=int, default=5)
     parser.add_argument('--sync-timeout', type=float, default=30.0,
                         help="gluon_syncbn's timeout: how soon a deadlock is reported")
-    parser.add_argument('--deadline', type=float, default=600.0, help='per process, seconds')
+    parser.add_argument('--deadline', type=float, default=240.0, help='per process, seconds')
     parser.add_argument('--out', default=os.path.join(HERE, 'results_overhead'))
     args = parser.parse_args()
     lines = ['Measured %s, MXNet 1.9.1 CPU wheel, %s CPUs, CPU contexts. %d x (conv 1x1 + BN + '
