@@ -88,8 +88,10 @@ def run(cfg, timeout):
     for line in out.stdout.splitlines():
         if line.startswith('RESULT '):
             return json.loads(line[7:])
-    lines = [l for l in out.stderr.strip().splitlines() if 'Error' in l] or \
-        out.stderr.strip().splitlines() or ['?']
+    # Our own cause (appended to MXNet's generic custom-op error) says most.
+    lines = ([l for l in out.stderr.splitlines() if l.startswith('SyncBatchNorm')] or
+             [l for l in out.stderr.splitlines() if 'Error' in l] or
+             out.stderr.strip().splitlines() or ['?'])
     return 'error: ' + lines[-1][:300]
 
 
@@ -128,7 +130,7 @@ def row(n, hybridize, res):
     versus = ('%.1fx' % (ours / contrib) if isinstance(ours, float) and
               isinstance(contrib, float) else '-')
     return '| %d | %s | %s | %s | %s | %s |' % (
-        n, mode, '%.1f ms' % (1e3 * plain) if isinstance(plain, float) else plain,
+        n, mode, '%.1f ms' % (1e3 * plain) if isinstance(plain, float) else '-',
         cells[0], cells[1], versus)
 
 
