@@ -14,11 +14,12 @@
 * At interpreter exit MXNet's own ``atexit`` handler stops the custom-operator
   threads and then waits for the engine; a SyncBatchNorm call still waiting, or
   failing, at that moment wedged it (2 of 3 runs hung). Ours, registered after
-  MXNet's so it runs first, aborts the step and drains the engine while those
-  threads still run.
+  MXNet's so it runs first, drains the engine while those threads still run,
+  and aborts the step if calls are still waiting after a bounded time.
 """
 import atexit
 import re
+import threading
 
 from .errors import SyncBatchNormError, take_failures
 
@@ -81,16 +82,34 @@ def install_record_abort_hook(scope_class, session):
     scope_class._gluon_syncbn_hooked = True
 
 
-def install_exit_abort_hook(session, waitall):
-    """At interpreter exit, fail every waiting call and drain the engine."""
+EXIT_DRAIN_SECONDS = 10.0
+
+
+def install_exit_abort_hook(session, waitall, drain_seconds=EXIT_DRAIN_SECONDS):
+    """At interpreter exit, drain the engine; fail the calls still waiting after a while.
+
+    A script that ends right after issuing its last step (no ``waitall``) still
+    has that step's calls in flight: they get ``drain_seconds`` to finish, so a
+    healthy step is never failed (which printed custom-op tracebacks). Calls
+    waiting for a partner that never comes are failed after that, and the
+    drain then ends.
+    """
     def abort_at_exit():
-        if session.active():
-            session.abort_all(SyncBatchNormError('the Python interpreter is exiting'),
-                              exiting=True)
+        if not session.active():
+            return
+        drained = threading.Event()
+
+        def drain():
             try:
                 waitall()
             except Exception:  # pylint: disable=broad-except
-                pass  # the aborted step's error; the program is ending anyway
+                pass  # a failed step's error; the program is ending anyway
+            drained.set()
+        threading.Thread(target=drain, name='gluon_syncbn-exit-drain', daemon=True).start()
+        if not drained.wait(drain_seconds):
+            session.abort_all(SyncBatchNormError('the Python interpreter is exiting'),
+                              exiting=True)
+            drained.wait()
     atexit.register(abort_at_exit)
 
 

@@ -83,3 +83,32 @@ def test_interpreter_exit_does_not_wait_for_a_missing_partner():
     subprocess.run([sys.executable, '-c', code], capture_output=True, timeout=90, cwd=ROOT,
                    env=dict(os.environ, PYTHONPATH=ROOT))
     assert time.time() - start < 30   # not the layer's 100 s timeout
+
+
+def test_interpreter_exit_lets_a_healthy_last_step_finish():
+    # The script ends right after issuing its last backward pass, without
+    # waiting: those calls must complete, not be failed (which printed
+    # "Error in CustomOp.backward" tracebacks from MXNet's threads).
+    code = ('import gluon_syncbn, mxnet as mx, numpy as np\n'
+            'gluon_syncbn.configure_cpu_contexts(2)\n'
+            'from mxnet import autograd, gluon\n'
+            'ctxs = [mx.cpu(0), mx.cpu(1)]\n'
+            'net = gluon.nn.HybridSequential()\n'
+            'for _ in range(6):\n'
+            '    net.add(gluon.nn.Conv2D(32, 3, padding=1), gluon_syncbn.SyncBatchNorm(),\n'
+            '            gluon.nn.Activation("relu"))\n'
+            'net.initialize(ctx=ctxs)\n'
+            'xs = [mx.nd.array(np.random.randn(8, 3, 64, 64), ctx=c) for c in ctxs]\n'
+            'for step in range(2):\n'
+            '    with autograd.record():\n'
+            '        ys = [net(x) for x in xs]\n'
+            '    autograd.backward(ys)\n'
+            '    if step == 0:\n'
+            '        mx.nd.waitall()\n'
+            'print("ISSUED")\n')
+    out = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True,
+                         timeout=120, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT))
+    assert 'ISSUED' in out.stdout, out.stderr[-3000:]
+    assert 'Error in CustomOp' not in out.stdout + out.stderr, (out.stdout + out.stderr)[-3000:]
+    assert 'interpreter is exiting' not in out.stdout + out.stderr
+    assert out.returncode == 0

@@ -89,8 +89,10 @@ def contexts(args):
     """The devices; call before MXNet runs its first operator (engine settings)."""
     if args.gpus:
         return [mx.gpu(int(i)) for i in args.gpus.split(',')]
-    # SyncBatchNorm on several CPU contexts needs MXNet's shared CPU resources sized first.
-    gluon_syncbn.configure_cpu_contexts(args.num_devices)
+    if args.syncbn:
+        # SyncBatchNorm on several CPU contexts needs MXNet's shared CPU resources
+        # sized first (plain BatchNorm does not: it would only cost memory).
+        gluon_syncbn.configure_cpu_contexts(args.num_devices)
     return [mx.cpu(i) for i in range(args.num_devices)]
 
 
