@@ -226,19 +226,27 @@ def memory_worker(cfg):
 
 
 # ----------------------------------------------------------------- driver side
-def run_worker(kind, cfg, timeout):
-    code = ('import json, sys; sys.path.insert(0, %r); sys.path.insert(0, %r); import bench; '
-            'print("RESULT " + json.dumps(bench.%s(json.loads(sys.argv[1]))))'
-            % (ROOT, HERE, kind))
+def run_worker(kind, cfg, timeout, module='bench', env=None):
+    """``module.kind(cfg)`` in a fresh process (environment ``env``, default ours).
+
+    Returns its result, 'hang' past ``timeout`` seconds, or 'error: <cause>'.
+    """
+    code = ('import json, sys; sys.path.insert(0, %r); sys.path.insert(0, %r); import %s; '
+            'print("RESULT " + json.dumps(%s.%s(json.loads(sys.argv[1]))))'
+            % (ROOT, HERE, module, module, kind))
     try:
         out = subprocess.run([sys.executable, '-c', code, json.dumps(cfg)], capture_output=True,
-                             text=True, timeout=timeout, cwd=HERE)
+                             text=True, timeout=timeout, cwd=HERE, env=env)
     except subprocess.TimeoutExpired:
         return 'hang'
     for line in out.stdout.splitlines():
         if line.startswith('RESULT '):
             return json.loads(line[7:])
-    return 'error: ' + (out.stderr.strip().splitlines() or ['?'])[-1][:200]
+    # Our own cause (appended to MXNet's generic custom-op error) says most.
+    lines = ([l for l in out.stderr.splitlines() if l.startswith('SyncBatchNorm')] or
+             [l for l in out.stderr.splitlines() if 'Error' in l] or
+             out.stderr.strip().splitlines() or ['?'])
+    return 'error: ' + lines[-1][:300]
 
 
 def median(xs):

@@ -18,12 +18,14 @@ Two measurements, each process fresh, with a deadline:
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+
+from bench import run_worker  # noqa: E402
+
 
 
 # ----------------------------------------------------------------- worker side
@@ -57,7 +59,8 @@ def one_context_training(cfg):
             rss[step] = psutil.Process().memory_info().rss / 2 ** 20
             seconds[step] = time.perf_counter() - start
     return {'rss_mb': rss, 'seconds': seconds,
-            'temp_slots': os.environ.get('MXNET_CPU_TEMP_COPY')}
+            'temp_slots': os.environ.get('MXNET_CPU_TEMP_COPY'),
+            'imported': 'gluon_syncbn' in sys.modules}
 
 
 def settings_memory(cfg):
@@ -69,19 +72,14 @@ def settings_memory(cfg):
 
 # ----------------------------------------------------------------- driver side
 def run(kind, cfg, timeout):
-    """Run ``kind(cfg)`` in a fresh process whose environment sets no MXNet slots."""
+    """``kind(cfg)`` in a fresh process whose environment sets no MXNet slots."""
     env = {k: v for k, v in os.environ.items()
            if k not in ('MXNET_CPU_TEMP_COPY', 'MXNET_CPU_PARALLEL_RAND_COPY',
                         'GLUON_SYNCBN_CPU_CONTEXTS')}
-    env['PYTHONPATH'] = ROOT + os.pathsep + HERE
-    code = ('import json, sys, bench_import; '
-            'print("RESULT " + json.dumps(bench_import.%s(json.loads(sys.argv[1]))))' % kind)
-    out = subprocess.run([sys.executable, '-c', code, json.dumps(cfg)], capture_output=True,
-                         text=True, timeout=timeout, cwd=HERE, env=env)
-    for line in out.stdout.splitlines():
-        if line.startswith('RESULT '):
-            return json.loads(line[7:])
-    raise RuntimeError('%s %s failed:\n%s' % (kind, cfg, out.stderr[-3000:]))
+    result = run_worker(kind, cfg, timeout, module='bench_import', env=env)
+    if isinstance(result, str):
+        raise RuntimeError('%s %s: %s' % (kind, cfg, result))
+    return result
 
 
 def compare_import(steps, checkpoints, rounds, timeout=1800):

@@ -17,12 +17,14 @@ alone beside plain in a fresh process, so the others still get their numbers.
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+
+from bench import run_worker  # noqa: E402
+
 LAYERS = 53
 VARIANTS = ('plain', 'contrib', 'ours')
 
@@ -75,37 +77,18 @@ def worker(cfg):
 
 
 # ----------------------------------------------------------------- driver side
-def run(cfg, timeout):
-    """``worker(cfg)`` in a fresh process; a dict, or 'hang' / 'error: ...'."""
-    code = ('import json, sys; sys.path.insert(0, %r); sys.path.insert(0, %r); '
-            'import bench_overhead as b; print("RESULT " + json.dumps(b.worker('
-            'json.loads(sys.argv[1]))))' % (ROOT, HERE))
-    try:
-        out = subprocess.run([sys.executable, '-c', code, json.dumps(cfg)],
-                             capture_output=True, text=True, timeout=timeout, cwd=HERE)
-    except subprocess.TimeoutExpired:
-        return 'hang'
-    for line in out.stdout.splitlines():
-        if line.startswith('RESULT '):
-            return json.loads(line[7:])
-    # Our own cause (appended to MXNet's generic custom-op error) says most.
-    lines = ([l for l in out.stderr.splitlines() if l.startswith('SyncBatchNorm')] or
-             [l for l in out.stderr.splitlines() if 'Error' in l] or
-             out.stderr.strip().splitlines() or ['?'])
-    return 'error: ' + lines[-1][:300]
-
-
 def measure(n, hybridize, args):
     """Median step times for every variant of one (N, mode), or why there are none."""
     cfg = dict(n=n, hybridize=hybridize, steps=args.steps, warmup=args.warmup,
                sync_timeout=args.sync_timeout, variants=list(VARIANTS))
-    res = run(cfg, args.deadline)
+    res = run_worker('worker', cfg, args.deadline, module='bench_overhead')
     if isinstance(res, dict):
         return res
     # Something hung or failed: each synchronized variant alone beside plain.
     found = {'first try': res}
     for kind in VARIANTS[1:]:
-        alone = run(dict(cfg, variants=['plain', kind]), args.deadline)
+        alone = run_worker('worker', dict(cfg, variants=['plain', kind]), args.deadline,
+                           module='bench_overhead')
         if isinstance(alone, dict):
             found.setdefault('plain', alone['plain'])
             found[kind + '_vs_plain'] = alone[kind] / alone['plain']

@@ -15,9 +15,10 @@ More slots are not free: each keeps the largest buffer it was ever handed, so
 several CPU contexts takes one explicit step, :func:`configure_cpu_contexts`
 (or ``GLUON_SYNCBN_CPU_CONTEXTS`` in the environment, read at import), before
 MXNet runs its first operator (MXNet reads the variables once, when its
-resource manager starts, which ``mx.random.seed`` also does). Without that step the first synchronized call on
-several CPU contexts raises at once (:func:`check_cpu_contexts`). GPUs have
-their own resources per device and need nothing.
+resource manager starts, which ``mx.random.seed`` also does). Without that
+step the first synchronized call on several CPU contexts raises at once
+(:func:`check_cpu_contexts`). GPUs have their own resources per device and
+need nothing.
 """
 import functools
 import os
@@ -50,8 +51,9 @@ def configure_cpu_contexts(num_contexts, temp_slots=None, random_slots=None):
     """Size MXNet's shared CPU resources for SyncBatchNorm on ``num_contexts`` CPU contexts.
 
     Call it right after ``import gluon_syncbn``, before MXNet runs its first
-    operator or ``mx.random.seed`` (later, MXNet ignores the settings); setting ``GLUON_SYNCBN_CPU_CONTEXTS=num_contexts`` in the
-    environment does the same at import. It sets ``MXNET_CPU_TEMP_COPY`` and
+    operator or ``mx.random.seed`` (later, MXNet ignores the settings); setting
+    ``GLUON_SYNCBN_CPU_CONTEXTS=num_contexts`` in the environment does the same
+    at import. It sets ``MXNET_CPU_TEMP_COPY`` and
     ``MXNET_CPU_PARALLEL_RAND_COPY``, never lowering a value already in the
     environment. Not needed on GPUs or on one context.
 

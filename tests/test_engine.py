@@ -149,5 +149,6 @@ def test_import_costs_nothing_to_one_context_training():
     import bench_import  # pylint: disable=import-outside-toplevel
     res = bench_import.compare_import(steps=60, checkpoints=[30, 60], rounds=1, timeout=300)
     assert res['with'][0]['temp_slots'] is None
+    assert res['with'][0]['imported'] and not res['without'][0]['imported']
     assert res['rss_ratio'] < 1.2, res
     assert res['time_ratio'] < 1.5, res
