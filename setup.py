@@ -13,6 +13,8 @@ setup(
     long_description=open(os.path.join(HERE, 'README.md')).read(),
     long_description_content_type='text/markdown',
     packages=find_packages(include=['gluon_syncbn', 'gluon_syncbn.*']),
+    # The native operator's source: compiled at first import (gluon_syncbn/native).
+    package_data={'gluon_syncbn': ['native/*.cc']},
     python_requires='>=3.7',
     # MXNet 1.9.1 uses np.bool, removed in NumPy 1.24.
     install_requires=['numpy<1.24'],

@@ -13,15 +13,16 @@ import mxnet as _mx  # noqa: E402
 
 from .errors import SyncBatchNormError, SyncBatchNormTimeout  # noqa: E402
 from .hooks import (install_error_text_hook, install_exit_abort_hook,  # noqa: E402
-                    install_record_abort_hook, install_retrace_hook)
+                    install_record_abort_hook, install_cached_op_hook)
 from .block import SyncBatchNorm  # noqa: E402
 from .convert import convert_model, revert_model  # noqa: E402
 from .registry import SESSION as _SESSION  # noqa: E402
 
 install_error_text_hook(_mx.base.MXNetError)
-install_record_abort_hook(_mx.autograd._RecordingStateScope, _SESSION)
+install_record_abort_hook(_mx.autograd._RecordingStateScope, _SESSION,
+                          _mx.autograd.is_recording, _mx.autograd.is_training)
 install_exit_abort_hook(_SESSION, _mx.nd.waitall)
-install_retrace_hook(_mx.gluon.HybridBlock)
+install_cached_op_hook(_mx.gluon.HybridBlock, _SESSION)
 
 
 def reset():
@@ -31,6 +32,7 @@ def reset():
     for code that abandons a step half-way for its own reasons.
     """
     _SESSION.abort_all()
+    _SESSION.begin_step()
 
 
 __version__ = '0.1.0'

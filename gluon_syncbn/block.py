@@ -6,6 +6,7 @@ import numpy as np
 from mxnet import autograd
 from mxnet.gluon import HybridBlock
 
+from . import native
 from . import op as _op
 from . import registry
 from .transport import make_transport
@@ -299,7 +300,25 @@ class SyncBatchNorm(HybridBlock):
             # kernel mishandles float64 under MKL-DNN; float16 needs our casts.)
             return F.BatchNorm(x, gamma, beta, running_mean, running_var, name='fwd',
                                **self._kwargs)
+        if imperative:
+            registry.SESSION.clear_failed_arrays()
         axis = self._kwargs['axis']
+        if group.native:
+            # One native operator does it all: local moments, the rendezvous,
+            # normalization and running statistics (see native/syncbn.cc).
+            if not imperative and self._static_shape:
+                group.register_running_arrays()
+            # float16/32 go through float64: the Casts hand the operator x and
+            # dy in MXNet's default layout (see mxnet_private.py, "layouts").
+            wide = dtype != np.float64
+            out, _ = F.Custom(F.Cast(x, dtype='float64') if wide else x,
+                              gamma, beta, running_mean, running_var,
+                              op_type=native.OP_TYPE, group=group.group_id,
+                              eps=self._kwargs['eps'], momentum=self._kwargs['momentum'],
+                              fix_gamma=self._kwargs['fix_gamma'],
+                              static_shape=self._static_shape, axis=axis,
+                              input_dtype=dtype.name, name='sync')
+            return F.Cast(out, dtype=dtype.name) if wide else out
         half = dtype == np.float16
         # Statistics in at least float32: float16 input is widened, then narrowed back.
         xs = F.Cast(x, dtype='float32') if half else x

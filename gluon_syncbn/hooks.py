@@ -4,6 +4,9 @@
   generic check text; we append the SyncBatchNorm failure that caused it. A
   wrong channel count in a hybridized graph fails MXNet's shape check of our
   centring convolution; we append which layer and the fix.
+* Entering the outermost ``autograd.record()`` (or ``train_mode()``) scope
+  begins a training step: calls issued after a failure but before that belong
+  to the failed step (see ``registry.Session``).
 * An exception that leaves ``autograd.record()`` means the step was abandoned
   half-way (say device 2's forward raised in user code): the SyncBatchNorm calls
   already issued for devices 0 and 1 would wait for partners that never come, so
@@ -11,6 +14,8 @@
 * A hybridized network is traced before deferred parameter shapes are known,
   so a SyncBatchNorm traced then cannot use its fast normalization (it needs
   the channel count); it asks for one re-trace, done after that first call.
+  And before a cached graph's calls are issued, the errors an aborted step left
+  on the layers' arrays are cleared (the block does it in imperative mode).
 * At interpreter exit MXNet's own ``atexit`` handler stops the custom-operator
   threads and then waits for the engine; a SyncBatchNorm call still waiting, or
   failing, at that moment wedged it (2 of 3 runs hung). Ours, registered after
@@ -24,7 +29,7 @@ import threading
 from .errors import SyncBatchNormError, take_failures
 
 __all__ = ['CENTER_OP', 'install_error_text_hook', 'install_record_abort_hook',
-           'install_exit_abort_hook', 'install_retrace_hook', 'request_retrace']
+           'install_exit_abort_hook', 'install_cached_op_hook', 'request_retrace']
 
 _CUSTOM_OP_MARKERS = ('kCustomOpForward', 'kCustomOpBackward', 'kCustomOpProp')
 
@@ -66,11 +71,19 @@ def install_error_text_hook(mxnet_error_class):
     mxnet_error_class._gluon_syncbn_hooked = True
 
 
-def install_record_abort_hook(scope_class, session):
-    """Abort the step when an exception leaves an ``autograd.record()`` scope."""
+def install_record_abort_hook(scope_class, session, is_recording, is_training):
+    """A step begins when the outermost ``record()``/``train_mode()`` scope is
+    entered; it is aborted when an exception leaves a ``record()`` scope."""
     if getattr(scope_class, '_gluon_syncbn_hooked', False):
         return
+    original_enter = scope_class.__enter__
     original_exit = scope_class.__exit__
+
+    def __enter__(self):
+        if ((self._enter_is_record and not is_recording())
+                or (self._enter_train_mode and not is_training())):
+            session.begin_step()
+        return original_enter(self)
 
     def __exit__(self, ptype, value, trace):
         if ptype is not None and session.active():
@@ -78,6 +91,7 @@ def install_record_abort_hook(scope_class, session):
                 'the training step was abandoned: %s: %s' % (ptype.__name__, value)))
         return original_exit(self, ptype, value, trace)
 
+    scope_class.__enter__ = __enter__
     scope_class.__exit__ = __exit__
     scope_class._gluon_syncbn_hooked = True
 
@@ -121,13 +135,15 @@ def request_retrace():
     _retrace_requested[0] = True
 
 
-def install_retrace_hook(hybrid_block_class):
-    """After a cached graph's first call, drop it if a layer asked for a re-trace."""
-    if getattr(hybrid_block_class, '_gluon_syncbn_retrace_hooked', False):
+def install_cached_op_hook(hybrid_block_class, session):
+    """Clear a failed step's errors before a cached graph runs; re-trace after
+    its first call if a layer asked for it."""
+    if getattr(hybrid_block_class, '_gluon_syncbn_cached_op_hooked', False):
         return
     original = hybrid_block_class._call_cached_op
 
     def _call_cached_op(self, *args):
+        session.clear_failed_arrays()
         out = original(self, *args)
         if _retrace_requested[0]:
             _retrace_requested[0] = False
@@ -135,4 +151,4 @@ def install_retrace_hook(hybrid_block_class):
         return out
 
     hybrid_block_class._call_cached_op = _call_cached_op
-    hybrid_block_class._gluon_syncbn_retrace_hooked = True
+    hybrid_block_class._gluon_syncbn_cached_op_hooked = True

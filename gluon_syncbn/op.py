@@ -110,7 +110,7 @@ class SyncBatchNormOp(mx.operator.CustomOp):
         self.static_shape = static_shape
         # The step this call was issued in. A static_shape graph creates its
         # operators once, at the first call, so there it means nothing.
-        self.token = None if static_shape else SESSION.token()
+        self.token = None if static_shape else SESSION.issue_token()
 
     def _fail(self, exc):
         record_failure(exc)
@@ -265,9 +265,6 @@ class SyncBatchNormProp(mx.operator.CustomOpProp):
         device = group.device_index(ctx)
         # Runs on the main thread, in network order, on every worker alike.
         group.attach(int(np.prod(in_shapes[0])))
-        if not self.static_shape:
-            # Runs when the call is issued (imperative and dynamic graphs).
-            group.clear_failed_state(device, SESSION.token())
         # The graph's own dtype (float32 for float16 input widened by the
         # block) and the input's dtype as the block saw it must both agree.
         stats_dtype = np.dtype(_DTYPE_MX_TO_NP[in_dtypes[0]]).name  # MXNet type code

@@ -1,9 +1,11 @@
-"""Process-wide table of synchronization groups, one per SyncBatchNorm layer.
+"""Process-wide table of synchronization groups, one per SyncBatchNorm layer,
+and the session: which training step calls belong to, and how a step fails.
 
 The custom operator is created by MXNet from string arguments only, so it finds
 its layer's barrier here by the group id the block baked into the graph. Ids
 are unique per layer object (not per prefix), so two networks with equal
-prefixes never share a barrier.
+prefixes never share a barrier. A group whose calls run in the native
+operator is registered there too (same id), and its barrier lives there.
 """
 import itertools
 import os
@@ -11,8 +13,10 @@ import threading
 
 import numpy as np
 
+from . import native
 from .barrier import CallOrderBarrier
-from .errors import SyncBatchNormError, record_failure
+from .errors import (SyncBatchNormError, SyncBatchNormTimeout, add_failure_source,
+                     record_failure)
 from .transport import LocalTransport
 
 __all__ = ['SyncGroup', 'get_group', 'new_group_id', 'register', 'unregister', 'SESSION']
@@ -29,7 +33,13 @@ class Session(object):
     imperative and dynamic-graph mode). A failure that leaves calls without
     partners (a device raised, a device never came, ``reset()``) starts a new
     token: calls issued before it fail at once with the cause instead of
-    waiting, or pairing with the next step's calls.
+    waiting, or pairing with the next step's calls. Calls issued after the
+    failure but before the next step begins (the outermost ``record()`` or
+    ``train_mode()`` scope is entered: see hooks) still get the old token:
+    they are the rest of the failed step.
+
+    This is the one place a step fails: :meth:`abort` (and the native
+    operator's own aborts, which share its token).
     """
 
     def __init__(self):
@@ -37,6 +47,18 @@ class Session(object):
         self._token = 0
         self._cause = None
         self._abort_listeners = []
+        self._native = None
+        self._cleared_token = 0
+        self._issue_token = 0
+
+    def attach_native(self, lib):
+        """Keep the token in the native library, so both operators share one
+        step: a native timeout fails the Python calls of the step and the
+        other way round. Must run before any call is issued."""
+        self._native = lib
+        add_failure_source(lambda: [
+            (SyncBatchNormTimeout if kind == 'SyncBatchNormTimeout' else SyncBatchNormError)(m)
+            for kind, m in native.take_errors(lib)])
 
     def add_abort_listener(self, listener):
         """Call ``listener(cause)`` on every abort except the one at interpreter exit."""
@@ -45,7 +67,21 @@ class Session(object):
                 self._abort_listeners.append(listener)
 
     def token(self):
-        return self._token
+        """The current step's token."""
+        return self._native.gsbn_token() if self._native is not None else self._token
+
+    def issue_token(self):
+        """The token of a call issued now: the step that began last."""
+        return self._issue_token
+
+    def begin_step(self):
+        """A training step begins: calls issued from now on belong to it."""
+        self._issue_token = self.token()
+        if self._native is not None:
+            self._native.gsbn_begin_step()
+
+    def cause(self):
+        return native.cause(self._native) if self._native is not None else self._cause
 
     def active(self):
         """True once any SyncBatchNorm layer has synchronized in this process."""
@@ -53,10 +89,10 @@ class Session(object):
             return bool(_groups)
 
     def check(self, token):
-        if token != self._token:
+        if token != self.token():
             exc = SyncBatchNormError(
                 'this SyncBatchNorm call belongs to a step that failed earlier: %s'
-                % self._cause)
+                % self.cause())
             record_failure(exc)
             raise exc
 
@@ -66,6 +102,8 @@ class Session(object):
             self._token += 1
             self._cause = cause
             listeners = [] if exiting else list(self._abort_listeners)
+        if self._native is not None:
+            self._native.gsbn_abort(str(cause).encode('utf-8', 'replace'))
         for listener in listeners:
             listener(cause)
 
@@ -75,6 +113,25 @@ class Session(object):
             groups = list(_groups.values())
         for group in groups:
             group.barrier.fail_pending(cause)
+
+    def clear_failed_arrays(self):
+        """After an aborted step, clear the errors MXNet left on the layers' arrays.
+
+        A failed call leaves its exception on the arrays it writes (running
+        statistics, gamma/beta gradients), and every later operator touching
+        them would be skipped with the same error. Waiting on an array clears
+        its error. Called on the main thread before a network's calls are
+        issued (by the block, and for cached graphs by hooks); the aborted calls
+        finish at once, so the wait is short.
+        """
+        token = self.token()
+        if token == self._cleared_token:
+            return
+        self._cleared_token = token
+        with _lock:
+            groups = list(_groups.values())
+        for group in groups:
+            group.clear_failed_state()
 
     def abort_all(self, cause=None, exiting=False):
         """Abort the current step everywhere: the manual ``gluon_syncbn.reset()``."""
@@ -142,14 +199,33 @@ class SyncGroup(object):
         self.name = name
         self.devices = list(devices)
         self._arrays = arrays
-        self._cleared_token = [0] * len(self.devices)
         self.axis = axis
         self.transport = transport or LocalTransport()
         if self.transport.cross_process:
             # An aborted step leaves the other workers waiting for our sums.
             SESSION.add_abort_listener(self.transport.fail_on_abort)
+        hint = timeout_hint(self.devices)
         self.barrier = CallOrderBarrier(name, self.devices, self._combine, timeout,
-                                        hint=timeout_hint(self.devices), session=SESSION)
+                                        hint=hint, session=SESSION)
+        # The native operator serves CPU devices of this process.
+        self.native = (SESSION._native is not None and not self.transport.cross_process
+                       and all(d.startswith('cpu') for d in self.devices))
+        self._running_arrays = []
+        if self.native:
+            SESSION._native.gsbn_group_create(
+                group_id.encode(), name.encode(), b'\0'.join(d.encode() for d in self.devices),
+                len(self.devices), float(timeout), hint.encode())
+
+    def register_running_arrays(self):
+        """Hand the native operator each device's running mean and variance
+        arrays, for static_shape graphs (see ``syncbn.cc``, RunningUpdate)."""
+        arrays = [self.running_params(d) for d in range(len(self.devices))]
+        if self.native and [a.handle.value for p in arrays for a in p] != [
+                a.handle.value for p in self._running_arrays for a in p]:
+            self._running_arrays = arrays  # keeps the handles valid
+            for device, (mean, var) in enumerate(arrays):
+                SESSION._native.gsbn_group_set_running(self.group_id.encode(), device,
+                                                       mean.handle, var.handle)
 
     def attach(self, channels):
         """Prepare the transport for this layer (main thread, at its first call)."""
@@ -159,23 +235,21 @@ class SyncGroup(object):
         """The running mean and variance arrays of ``device`` (the layer's own)."""
         return self._arrays(self.devices[device], 'running')
 
-    def clear_failed_state(self, device, token):
-        """After an aborted step, clear the error MXNet left on our running statistics.
-
-        A failed call leaves its exception on the arrays it writes (running
-        statistics, gamma/beta gradients); every later operator touching them
-        would be skipped with the same error. Waiting on an array clears its
-        error, so the first call of ``device`` issued after an abort waits on
-        them once (the aborted calls finish at once) and swallows the stale error.
-        """
-        if self._cleared_token[device] == token or self._arrays is None:
+    def clear_failed_state(self):
+        """Wait on every array our calls write, swallowing a failed step's error
+        (see :meth:`Session.clear_failed_arrays`)."""
+        if self._arrays is None:
             return
-        self._cleared_token[device] = token
-        for arr in self._arrays(self.devices[device], 'written'):
+        for device in self.devices:
             try:
-                arr.wait_to_read()
+                arrays = self._arrays(device, 'written')
             except Exception:  # pylint: disable=broad-except
-                pass  # the stale error of the aborted step, already reported
+                continue  # the layer is gone or not initialized there
+            for arr in arrays:
+                try:
+                    arr.wait_to_read()
+                except Exception:  # pylint: disable=broad-except
+                    pass  # the stale error of the aborted step, already reported
 
     def device_index(self, ctx):
         ctx = str(ctx)
@@ -224,4 +298,16 @@ def get_group(group_id):
 
 def unregister(group_id):
     with _lock:
-        _groups.pop(group_id, None)
+        group = _groups.pop(group_id, None)
+    if group is not None and group.native:
+        SESSION._native.gsbn_group_remove(group_id.encode())
+
+
+def _load_native():
+    """Load the native operator at import, before any call takes a token."""
+    lib = native.load()
+    if lib is not None:
+        SESSION.attach_native(lib)
+
+
+_load_native()

@@ -88,5 +88,18 @@ def result_of(results, index):
     return result
 
 
+# The two implementations of the synchronization operator on CPU contexts
+# (see gluon_syncbn/native): the exactness and fault suites run on both.
+OPERATORS = ['native', 'python']
+OPERATOR_VARIABLE = 'GLUON_SYNCBN_OPERATOR'
+
+
+@pytest.fixture(params=OPERATORS)
+def operator(request, monkeypatch):
+    """Run the test's subprocesses with each operator implementation in turn."""
+    monkeypatch.setenv(OPERATOR_VARIABLE, request.param)
+    return request.param
+
+
 def pytest_configure(config):
     config.addinivalue_line('markers', 'slow: long multi-device runs (still part of CI)')

@@ -1,6 +1,6 @@
 """Bad input and faults: a clear error naming the layer and the fix, within a
 bound, and the next training step is exact again. Each case runs in its own
-subprocess with a hard deadline."""
+subprocess with a hard deadline, once per operator implementation."""
 import os
 import subprocess
 import sys
@@ -11,6 +11,11 @@ import pytest
 from tests.conftest import ROOT, run_scenario
 
 RECOVERED = 1e-5  # relative error of the next, correct step vs float64 maths
+
+
+@pytest.fixture(autouse=True)
+def each_operator(operator):
+    """Every test here runs with the native and with the Python operator."""
 
 
 @pytest.mark.parametrize('hybridize', [False, True])

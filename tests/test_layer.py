@@ -3,11 +3,12 @@
 Each case compares output, input gradient, gamma/beta gradients (summed over
 devices) and running statistics after 3 steps with float64 NumPy maths on the
 same input, and (float32, no offset) with gluon.nn.BatchNorm on one context.
-All cases run in one subprocess with a hard deadline (see conftest).
+All cases run in one subprocess per operator implementation (native and
+Python, see gluon_syncbn/native) with a hard deadline (see conftest).
 """
 import pytest
 
-from tests.conftest import result_of, run_batch
+from tests.conftest import OPERATOR_VARIABLE, OPERATORS, result_of, run_batch
 
 F32 = 1e-5          # relative, as the issue asks
 F16_OUT = 2e-3      # float16 output/input-gradient rounding (eps 9.8e-4)
@@ -45,9 +46,10 @@ CASES = {
 IDS = list(CASES)
 
 
-@pytest.fixture(scope='module')
-def results():
-    return run_batch([('layer_vs_reference', CASES[i]) for i in IDS], timeout=600)
+@pytest.fixture(scope='module', params=OPERATORS)
+def results(request):
+    return run_batch([('layer_vs_reference', CASES[i]) for i in IDS], timeout=600,
+                     env={OPERATOR_VARIABLE: request.param})
 
 
 @pytest.mark.parametrize('case', IDS)

@@ -1,0 +1,159 @@
+"""The native operator (``syncbn.cc``): built once per MXNet version, loaded with ctypes.
+
+``GLUON_SYNCBN_OPERATOR`` selects the implementation of the synchronization
+operator on CPU contexts:
+
+``auto`` (default)
+    the native operator; if it cannot be built here (no C++ compiler, no MXNet
+    headers), the Python operator, with one warning saying why;
+``native``
+    the native operator, or an error saying why it cannot be built;
+``python``
+    the Python operator (``gluon_syncbn.op``), nothing is built.
+
+The library is compiled with ``$CXX`` (default ``g++``) against the C API
+headers and ``libmxnet.so`` that ship in the mxnet wheel, into
+``$GLUON_SYNCBN_CACHE`` (default ``~/.cache/gluon_syncbn``), one file per MXNet
+version and source, so an upgrade or an edit rebuilds it and concurrent
+processes never load a half-written file.
+"""
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+import warnings
+
+from ..errors import SyncBatchNormError
+
+__all__ = ['OP_TYPE', 'load', 'implementation']
+
+OP_TYPE = '_gluon_syncbn_native'
+IMPLEMENTATION_VARIABLE = 'GLUON_SYNCBN_OPERATOR'
+CACHE_VARIABLE = 'GLUON_SYNCBN_CACHE'
+SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'syncbn.cc')
+FLAGS = ['-O3', '-shared', '-fPIC', '-std=c++14']
+BUILD_SECONDS = 300
+
+_state = {'lib': None, 'why_not': None}
+
+
+class NativeUnavailable(Exception):
+    """The native operator cannot be built or loaded here; the message says why."""
+
+
+def implementation():
+    """``'native'``, ``'python'`` or ``'auto'``, from ``GLUON_SYNCBN_OPERATOR``."""
+    value = os.environ.get(IMPLEMENTATION_VARIABLE, 'auto').strip().lower() or 'auto'
+    if value not in ('auto', 'native', 'python'):
+        raise SyncBatchNormError(
+            '%s=%r: use auto, native or python.' % (IMPLEMENTATION_VARIABLE, value))
+    return value
+
+
+def _mxnet_dir():
+    import mxnet
+    return os.path.dirname(os.path.abspath(mxnet.__file__)), mxnet.__version__
+
+
+def library_path():
+    """Where the library for this MXNet version and this source lives."""
+    mx_dir, version = _mxnet_dir()
+    with open(SOURCE, 'rb') as f:
+        digest = hashlib.sha256(f.read() + ' '.join(FLAGS).encode()).hexdigest()[:16]
+    cache = os.environ.get(CACHE_VARIABLE) or os.path.join(
+        os.environ.get('XDG_CACHE_HOME') or os.path.join(os.path.expanduser('~'), '.cache'),
+        'gluon_syncbn')
+    return os.path.join(cache, 'mxnet-%s' % version, 'libgluon_syncbn-%s.so' % digest)
+
+
+def build(path):
+    """Compile ``syncbn.cc`` into ``path``; raise NativeUnavailable with the reason."""
+    mx_dir, _ = _mxnet_dir()
+    header = os.path.join(mx_dir, 'include', 'mxnet', 'c_api.h')
+    if not os.path.exists(header):
+        raise NativeUnavailable('the mxnet package has no C API headers (%s)' % header)
+    compiler = os.environ.get('CXX') or 'g++'
+    if shutil.which(compiler) is None:
+        raise NativeUnavailable('no C++ compiler: %r was not found (set CXX to one)' % compiler)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix='.so', dir=os.path.dirname(path))
+    os.close(fd)
+    command = [compiler] + FLAGS + ['-I' + os.path.join(mx_dir, 'include'), SOURCE, '-o', tmp,
+                                    '-L' + mx_dir, '-l:libmxnet.so', '-Wl,-rpath,' + mx_dir]
+    try:
+        proc = subprocess.run(command, capture_output=True, text=True, timeout=BUILD_SECONDS)
+        if proc.returncode != 0:
+            raise NativeUnavailable('%s failed:\n%s' % (' '.join(command), proc.stderr[-2000:]))
+        os.replace(tmp, path)  # atomic: other processes see all of it or nothing
+    except subprocess.TimeoutExpired:
+        raise NativeUnavailable('%s took more than %ds' % (compiler, BUILD_SECONDS))
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def _declare(lib):
+    c = ctypes
+    lib.gsbn_register.argtypes = [c.c_char_p]
+    lib.gsbn_group_create.argtypes = [c.c_char_p, c.c_char_p, c.c_char_p, c.c_int, c.c_double,
+                                      c.c_char_p]
+    lib.gsbn_group_create.restype = None
+    lib.gsbn_group_set_running.argtypes = [c.c_char_p, c.c_int, c.c_void_p, c.c_void_p]
+    lib.gsbn_group_set_running.restype = None
+    lib.gsbn_group_remove.argtypes = [c.c_char_p]
+    lib.gsbn_group_remove.restype = None
+    lib.gsbn_token.restype = c.c_uint64
+    lib.gsbn_begin_step.restype = None
+    lib.gsbn_abort.argtypes = [c.c_char_p]
+    lib.gsbn_abort.restype = None
+    for name in ('gsbn_cause', 'gsbn_take_errors'):
+        getattr(lib, name).argtypes = [c.c_char_p, c.c_int]
+
+
+def load():
+    """The loaded native library, or None if the Python operator is to be used.
+
+    Builds it on first use. Warns once when ``auto`` falls back; raises
+    :class:`SyncBatchNormError` when ``native`` was asked for and cannot be had.
+    """
+    choice = implementation()
+    if choice == 'python':
+        return None
+    if _state['lib'] is None and _state['why_not'] is None:
+        try:
+            path = library_path()
+            if not os.path.exists(path):
+                build(path)
+            lib = ctypes.CDLL(path)
+            _declare(lib)
+            if lib.gsbn_register(OP_TYPE.encode()) != 0:
+                raise NativeUnavailable('MXCustomOpRegister failed')
+            _state['lib'] = lib
+        except (NativeUnavailable, OSError) as exc:
+            _state['why_not'] = str(exc)
+            if choice == 'auto':
+                warnings.warn(
+                    'gluon_syncbn: the native operator is not available (%s). Using the '
+                    'Python operator, which costs about 10x more host time per call. Install '
+                    'a C++ compiler (or set CXX), or set %s=python to silence this.'
+                    % (exc, IMPLEMENTATION_VARIABLE), RuntimeWarning, stacklevel=2)
+    if _state['lib'] is None and choice == 'native':
+        raise SyncBatchNormError('%s=native, but the native operator is not available: %s'
+                                 % (IMPLEMENTATION_VARIABLE, _state['why_not']))
+    return _state['lib']
+
+
+def take_errors(lib):
+    """``[(kind, message)]`` the native operator recorded since the last call."""
+    buf = ctypes.create_string_buffer(1 << 16)
+    lib.gsbn_take_errors(buf, len(buf))
+    lines = buf.value.decode('utf-8', 'replace').splitlines()
+    return [tuple(line.split('\t', 1)) for line in lines if '\t' in line]
+
+
+def cause(lib):
+    buf = ctypes.create_string_buffer(1 << 14)
+    lib.gsbn_cause(buf, len(buf))
+    return buf.value.decode('utf-8', 'replace')

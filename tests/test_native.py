@@ -1,0 +1,146 @@
+"""The native operator: built for the user, a fallback without a compiler, no
+leaks, and no deadlock at depth. Every MXNet run is a fresh process with a
+deadline."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import OPERATOR_VARIABLE, ROOT, run_scenario
+
+# Two contexts, two steps of a 2-layer net; prints which operator ran and the
+# worst relative error of the output against float64 maths.
+TWO_DEVICE_STEP = '''
+import warnings, numpy as np
+warnings.simplefilter('always')
+import gluon_syncbn
+gluon_syncbn.configure_cpu_contexts(2)
+import mxnet as mx
+from mxnet import autograd
+from gluon_syncbn.registry import SESSION
+from tests.reference import batchnorm_float64, max_rel_err
+ctx = [mx.cpu(0), mx.cpu(1)]
+bn = gluon_syncbn.SyncBatchNorm(in_channels=3)
+bn.initialize(ctx=ctx)
+x = np.random.RandomState(0).randn(5, 3, 4, 4)
+xs = [mx.nd.array(x[:2], ctx=ctx[0]), mx.nd.array(x[2:], ctx=ctx[1])]
+with autograd.record():
+    ys = [bn(a) for a in xs]
+y64 = batchnorm_float64(x, np.ones_like(x), np.ones(3), np.zeros(3))[0]
+print('OPERATOR', 'native' if SESSION._native is not None else 'python')
+print('ERROR', max_rel_err(np.concatenate([y.asnumpy() for y in ys]), y64))
+'''
+
+
+def python(code, timeout=180, **env):
+    full = dict(os.environ, PYTHONPATH=ROOT)
+    full.pop(OPERATOR_VARIABLE, None)
+    full.update(env)
+    return subprocess.run([sys.executable, '-c', code], capture_output=True, text=True,
+                          timeout=timeout, cwd=ROOT, env=full)
+
+
+def reported(out, key):
+    lines = [l.split(None, 1)[1] for l in out.stdout.splitlines() if l.startswith(key + ' ')]
+    assert lines, out.stdout[-2000:] + out.stderr[-3000:]
+    return lines[0]
+
+
+def test_built_at_first_import_into_the_cache(tmp_path):
+    out = python(TWO_DEVICE_STEP, GLUON_SYNCBN_CACHE=str(tmp_path))
+    assert reported(out, 'OPERATOR') == 'native'
+    assert float(reported(out, 'ERROR')) < 1e-5
+    import mxnet
+    built = os.listdir(tmp_path / ('mxnet-%s' % mxnet.__version__))
+    assert len(built) == 1 and built[0].endswith('.so'), built
+    assert 'RuntimeWarning' not in out.stderr, out.stderr[-2000:]
+
+
+def test_without_a_compiler_falls_back_with_one_warning(tmp_path):
+    out = python(TWO_DEVICE_STEP, GLUON_SYNCBN_CACHE=str(tmp_path), CXX='/nonexistent/c++')
+    assert reported(out, 'OPERATOR') == 'python'
+    assert float(reported(out, 'ERROR')) < 1e-5
+    assert out.stderr.count('RuntimeWarning') == 1, out.stderr[-3000:]
+    assert "no C++ compiler: '/nonexistent/c++' was not found" in out.stderr
+    assert 'GLUON_SYNCBN_OPERATOR=python' in out.stderr
+
+
+def test_asking_for_native_without_a_compiler_is_an_error(tmp_path):
+    out = python(TWO_DEVICE_STEP, GLUON_SYNCBN_CACHE=str(tmp_path), CXX='/nonexistent/c++',
+                 GLUON_SYNCBN_OPERATOR='native')
+    assert out.returncode != 0
+    assert 'SyncBatchNormError: GLUON_SYNCBN_OPERATOR=native, but the native operator is ' \
+           'not available: no C++ compiler' in out.stderr, out.stderr[-3000:]
+
+
+def test_python_operator_on_request_builds_nothing(tmp_path):
+    out = python(TWO_DEVICE_STEP, GLUON_SYNCBN_CACHE=str(tmp_path), GLUON_SYNCBN_OPERATOR='python')
+    assert reported(out, 'OPERATOR') == 'python'
+    assert float(reported(out, 'ERROR')) < 1e-5
+    assert not os.listdir(tmp_path)
+
+
+def test_bad_operator_choice_names_the_variable():
+    out = python('import gluon_syncbn', GLUON_SYNCBN_OPERATOR='fast')
+    assert out.returncode != 0
+    assert "GLUON_SYNCBN_OPERATOR='fast': use auto, native or python" in out.stderr
+
+
+# Resident memory over many calls: the callbacks free every NDArray handle
+# MXNet hands them (a leaked handle keeps its array's memory alive: here
+# 4 x 16 x 32 x 32 float64 copies, 0.5 MB per call and device).
+MEMORY = '''
+import psutil, numpy as np
+import gluon_syncbn
+gluon_syncbn.configure_cpu_contexts(2)
+import mxnet as mx
+from mxnet import autograd, gluon
+ctx = [mx.cpu(0), mx.cpu(1)]
+net = gluon.nn.HybridSequential()
+for _ in range(4):
+    net.add(gluon_syncbn.SyncBatchNorm(in_channels=16))
+net.initialize(ctx=ctx)
+if HYBRIDIZE:
+    net.hybridize(static_alloc=True, static_shape=True)
+xs = [mx.nd.array(np.random.randn(4, 16, 32, 32), ctx=c) for c in ctx]
+rss = []
+for step in range(400):
+    with autograd.record():
+        ys = [net(x) for x in xs]
+    autograd.backward(ys)
+    mx.nd.waitall()
+    if step in (99, 399):
+        rss.append(psutil.Process().memory_info().rss)
+print('GROWTH_MB', (rss[1] - rss[0]) / 2**20)
+'''
+
+
+@pytest.mark.parametrize('hybridize', [False, True])
+def test_memory_stays_flat_over_many_calls(hybridize):
+    out = python(MEMORY.replace('HYBRIDIZE', str(hybridize)), timeout=300,
+                 GLUON_SYNCBN_OPERATOR='native')
+    # 300 steps x 4 layers x 2 devices: a leak of one array per call would be ~600 MB.
+    assert float(reported(out, 'GROWTH_MB')) < 20
+
+
+DEEP = [(n, mode) for n in (2, 4, 8) for mode in (True, False)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('num_devices,hybridize', DEEP)
+def test_deep_stack_does_not_deadlock(num_devices, hybridize):
+    # The library's settings for this many contexts, nothing more.
+    r = run_scenario('deep_stack', timeout=240, num_devices=num_devices, hybridize=hybridize,
+                     env={OPERATOR_VARIABLE: 'native', 'SCENARIO_CONTEXTS': str(num_devices)})
+    # 53 float32 layers deep: rounding grows with depth, so 1e-3, not 1e-5.
+    assert r['out'] < 1e-3 and r['dx'] < 1e-3, r
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('hybridize', [True, False])
+def test_converted_resnet50_does_not_deadlock_on_four_contexts(hybridize):
+    r = run_scenario('resnet50_converted', timeout=420, num_devices=4, hybridize=hybridize,
+                     env={OPERATOR_VARIABLE: 'native'})
+    assert r['num_syncbn'] == 53
+    assert r['finite'] == 1.0 and r['replicas_identical'] == 1.0, r
