@@ -13,6 +13,7 @@ alone beside plain in a fresh process, so the others still get their numbers.
 
     python benchmarks/bench_overhead.py                 # N = 2, 4, 8 -> results_overhead.md
     python benchmarks/bench_overhead.py --n 2 --steps 10
+    python benchmarks/bench_overhead.py --operator python --out results_overhead_python
 """
 import argparse
 import json
@@ -81,14 +82,15 @@ def measure(n, hybridize, args):
     """Median step times for every variant of one (N, mode), or why there are none."""
     cfg = dict(n=n, hybridize=hybridize, steps=args.steps, warmup=args.warmup,
                sync_timeout=args.sync_timeout, variants=list(VARIANTS))
-    res = run_worker('worker', cfg, args.deadline, module='bench_overhead')
+    env = dict(os.environ, GLUON_SYNCBN_OPERATOR=args.operator)
+    res = run_worker('worker', cfg, args.deadline, module='bench_overhead', env=env)
     if isinstance(res, dict):
         return res
     # Something hung or failed: each synchronized variant alone beside plain.
     found = {'first try': res}
     for kind in VARIANTS[1:]:
         alone = run_worker('worker', dict(cfg, variants=['plain', kind]), args.deadline,
-                           module='bench_overhead')
+                           module='bench_overhead', env=env)
         if isinstance(alone, dict):
             found.setdefault('plain', alone['plain'])
             found[kind + '_vs_plain'] = alone[kind] / alone['plain']
@@ -125,13 +127,17 @@ def main():
     parser.add_argument('--sync-timeout', type=float, default=30.0,
                         help="gluon_syncbn's timeout: how soon a deadlock is reported")
     parser.add_argument('--deadline', type=float, default=240.0, help='per process, seconds')
+    parser.add_argument('--operator', default='native', choices=['native', 'python'],
+                        help="gluon_syncbn's operator (GLUON_SYNCBN_OPERATOR)")
     parser.add_argument('--out', default=os.path.join(HERE, 'results_overhead'))
     args = parser.parse_args()
-    lines = ['Measured %s, MXNet 1.9.1 CPU wheel, %s CPUs, CPU contexts. %d x (conv 1x1 + BN + '
+    lines = ['Measured %s, MXNet 1.9.1 CPU wheel, %s CPUs, CPU contexts, gluon_syncbn\'s %s '
+             'operator, every process under `configure_cpu_contexts(N)`. %d x (conv 1x1 + BN + '
              'relu) on (2, 16, 2, 2) per device, forward + backward + waitall, medians of %d '
              'interleaved steps; in brackets: ratio to plain nn.BatchNorm in the same process, '
              'and milliseconds added per BN call per device.'
-             % (time.strftime('%Y-%m-%d'), os.cpu_count(), LAYERS, args.steps), '',
+             % (time.strftime('%Y-%m-%d'), os.cpu_count(), args.operator, LAYERS, args.steps),
+             '',
              '| N | mode | nn.BatchNorm | contrib SyncBatchNorm | gluon_syncbn | ours / contrib |',
              '|---|---|---|---|---|---|']
     raw = []

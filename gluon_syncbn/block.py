@@ -5,6 +5,7 @@ import weakref
 import numpy as np
 from mxnet import autograd
 from mxnet.gluon import HybridBlock
+from mxnet.gluon.parameter import DeferredInitializationError
 
 from . import native
 from . import op as _op
@@ -307,7 +308,10 @@ class SyncBatchNorm(HybridBlock):
             # One native operator does it all: local moments, the rendezvous,
             # normalization and running statistics (see native/syncbn.cc).
             if not imperative and self._static_shape:
-                group.register_running_arrays()
+                try:
+                    group.register_running_arrays()
+                except DeferredInitializationError:
+                    request_retrace()  # shapes are known after the first call
             # float16/32 go through float64: the Casts hand the operator x and
             # dy in MXNet's default layout (see mxnet_private.py, "layouts").
             wide = dtype != np.float64
@@ -318,6 +322,8 @@ class SyncBatchNorm(HybridBlock):
                               fix_gamma=self._kwargs['fix_gamma'],
                               static_shape=self._static_shape, axis=axis,
                               input_dtype=dtype.name, name='sync')
+            # Back to the layer's dtype (a traced graph cannot see x's own:
+            # float16 and float64 networks call net.cast(dtype)).
             return F.Cast(out, dtype=dtype.name) if wide else out
         half = dtype == np.float16
         # Statistics in at least float32: float16 input is widened, then narrowed back.

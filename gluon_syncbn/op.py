@@ -18,15 +18,13 @@ and of its backward::
     d scale, d shift --> backward_contribution --> barrier (key of call #k)
         --> sum + transport --> local_moment_grads, d gamma, d beta
 """
-import ctypes
-
 import numpy as np
 import mxnet as mx
-from mxnet.base import _LIB, check_call
 from mxnet.ndarray.ndarray import _DTYPE_MX_TO_NP
 
 from . import stats
 from .errors import SyncBatchNormError, record_failure
+from .mxnet_private import host_view
 from .registry import SESSION, get_group
 
 OP_TYPE = '_gluon_syncbn'
@@ -35,30 +33,12 @@ OP_TYPE = '_gluon_syncbn'
 _INFO_HEAD = 3
 
 
-def _host_view(arr):
-    """A NumPy view of a CPU NDArray's own memory, or None for other devices.
-
-    Inside a callback MXNet's engine already holds this operator's write access
-    to its outputs, input gradients and auxiliary states, so writing the memory
-    directly is safe; ``arr[:] = value`` would push a synchronous copy through
-    the engine (about 130 us each, two thirds of our fixed cost per call).
-    """
-    if arr.context.device_type != 'cpu':
-        return None
-    ptr = ctypes.c_void_p()
-    check_call(_LIB.MXNDArrayGetData(arr.handle, ctypes.byref(ptr)))
-    dtype = np.dtype(arr.dtype)
-    size = int(np.prod(arr.shape))
-    buf = (ctypes.c_char * (size * dtype.itemsize)).from_address(ptr.value)
-    return np.frombuffer(buf, dtype=dtype).reshape(arr.shape)
-
-
 def _write(dst, req, value):
     """Store a NumPy value into a callback array without issuing an operator."""
     if req == 'null':
         return
     value = np.asarray(value, dtype=dst.dtype).reshape(dst.shape)
-    view = _host_view(dst)
+    view = host_view(dst)
     if view is None:
         dst[:] = value + dst.asnumpy() if req == 'add' else value
     elif req == 'add':

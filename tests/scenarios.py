@@ -66,8 +66,8 @@ def layer_vs_reference(shape, sizes, axis=1, dtype='float32', hybridize=False, s
         bn.beta.set_data(mx.nd.array(beta))
     if hybridize:
         bn.hybridize(static_alloc=hybridize == 'static', static_shape=hybridize == 'static')
-    if dtype == 'float16':
-        bn.cast('float16')
+    if dtype != 'float32':
+        bn.cast(dtype)  # as a float16 or float64 network does
 
     ref = gluon.nn.BatchNorm(axis=axis, momentum=momentum, in_channels=channels)
     ref.initialize(ctx=mx.cpu(0))

@@ -86,7 +86,7 @@ struct Exchange {
   std::vector<std::string> dtypes;
   int arrived = 0, taken = 0;
   bool done = false;
-  std::string error;                        // non-empty: failed with this cause
+  std::string error, kind;                  // non-empty: failed with this cause
   std::vector<double> result;
   std::condition_variable cv;
   Exchange(uint64_t t, int n) : token(t), values(n), dtypes(n) {}
@@ -107,13 +107,14 @@ struct Group {
 };
 
 // Fail every waiting exchange: the step is over (lock held).
-void abort_locked(const std::string& cause) {
+void abort_locked(const std::string& cause, const std::string& kind = "SyncBatchNormError") {
   ++g_token;
   g_cause = cause;
   for (auto& g : g_groups)
     for (auto& e : g.second->exchanges)
       if (!e.second->done && e.second->error.empty()) {
         e.second->error = cause;
+        e.second->kind = kind;
         e.second->cv.notify_all();
       }
 }
@@ -201,8 +202,7 @@ bool exchange(Group& g, const Key& key, int device, std::vector<double> value,
     }
   }
   if (!failure.empty()) {
-    record_locked(kind, failure);
-    abort_locked(failure);  // this exchange and every other waiting call of the step
+    abort_locked(failure, kind);  // this exchange and every other waiting call of the step
   }
   // A failed exchange stays until every device has passed it, so a late
   // device fails at once instead of waiting.
@@ -210,7 +210,11 @@ bool exchange(Group& g, const Key& key, int device, std::vector<double> value,
     auto it = g.exchanges.find(key);
     if (it != g.exchanges.end() && it->second == ex) g.exchanges.erase(it);
   }
-  if (!ex->error.empty()) { *error = ex->error; return false; }
+  if (!ex->error.empty()) {
+    record_locked(ex->kind, ex->error);  // each device's MXNetError names the cause
+    *error = ex->error;
+    return false;
+  }
   *result = ex->result;
   return true;
 }
@@ -305,13 +309,14 @@ int fail(const std::string& kind, const std::string& message) {
 // keeps a failed custom operator's exception in one process-wide slot until
 // an engine operation rethrows it, so two failures at the same moment can
 // swap or lose their errors (and one can land on a healthy call). Failing
-// calls of one step arrive together; spacing their returns 20 ms apart lets
-// each error reach its own operation first.
+// calls of one step arrive together; spacing their returns 100 ms apart lets
+// each error reach its own operation first (20 ms was not enough on a loaded
+// 2-core machine).
 int failed_call() {
   static std::mutex spacing;
   static auto last = std::chrono::steady_clock::time_point();
   std::lock_guard<std::mutex> lock(spacing);
-  auto next = last + std::chrono::milliseconds(20);
+  auto next = last + std::chrono::milliseconds(100);
   if (std::chrono::steady_clock::now() < next) std::this_thread::sleep_until(next);
   last = std::chrono::steady_clock::now();
   return 0;
@@ -396,7 +401,7 @@ int op_forward(int size, void** ptrs, int* tags, const int* req, const int is_tr
     head[0] = static_cast<double>(token);
     head[1] = static_cast<double>(call);
     head[2] = n;
-    if (op.static_shape) {
+    if (op.static_shape && g.running.size() == g.devices.size()) {
       auto* u = new RunningUpdate{{g.running[op.device][0], g.running[op.device][1]},
                                   mean, var, op.momentum};
       int ctx[2] = {1, 0};  // mxnet::Context{kCPU, 0}: where the update runs
@@ -404,7 +409,8 @@ int op_forward(int size, void** ptrs, int* tags, const int* req, const int is_tr
                              u->arrays, 2, nullptr, 0, "gluon_syncbn_running") != 0)
         return failed_call(), fail("SyncBatchNormError", std::string("SyncBatchNorm '") + g.name +
                     "': could not update the running statistics: " + MXGetLastError());
-    } else {  // this call holds write access to its auxiliary states
+    } else {  // this call holds write access to its auxiliary states (or, in a
+              // static graph traced before its shapes were known, the next one will)
       for (int64_t c = 0; c < C; ++c) {
         put(rmean, c, at(rmean, c) * op.momentum + mean[c] * (1.0 - op.momentum), 1);
         put(rvar, c, at(rvar, c) * op.momentum + var[c] * (1.0 - op.momentum), 1);
@@ -601,10 +607,6 @@ int create_operator(const char* ctx, int, unsigned**, const int*, const int* dty
   if (device < 0)
     return fail("SyncBatchNormError", "SyncBatchNorm '" + group->name + "' was called on " +
                 ctx + ", but its parameters live on " + join(group->devices) + ". Initialize the network on every context you feed.");
-  if (p.static_shape && group->running.size() != group->devices.size())
-    return fail("SyncBatchNormError", "SyncBatchNorm '" + group->name + "': no running "
-                "statistics registered for a static_shape graph; this is a bug in "
-                "gluon_syncbn, please report it.");
   const int dtype = dtypes[0];
   if (dtype != kFloat32 && dtype != kFloat64)
     return fail("SyncBatchNormError", "SyncBatchNorm '" + group->name + "': the native "

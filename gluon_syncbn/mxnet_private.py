@@ -1,0 +1,74 @@
+"""Every place gluon_syncbn relies on MXNet 1.9.1 behaviour that is not public API.
+
+Each item names what we rely on and where the code that relies on it lives.
+An MXNet upgrade starts here.
+
+Raw memory
+    * :func:`host_view` (used by ``op.py``) and ``native/syncbn.cc`` read and
+      write the memory of the arrays a custom-operator callback receives. In
+      1.9.1 those are fresh NDArrays over the operator's own default-layout
+      buffers (``custom.cc``: ``AllocateNDArrayCopy`` of inputs that
+      ``CreateDefaultInputs`` reordered), so waiting on them cannot deadlock,
+      and the engine holds the operator's write access to its outputs and (in
+      non-static graphs) its auxiliary states.
+    * Layouts: ``CreateDefaultInputs`` reorders an MKL-DNN input into a
+      temporary that is freed when the custom operator's engine function
+      returns, before the callback runs on the custom-operator thread, and an
+      in-place operator (``Cast`` to the same dtype) over an MKL-DNN array leaves
+      blocked bytes flagged as default layout. So the block feeds the native
+      operator through ``Cast`` to float64 and back (never in place, never
+      MKL-DNN): x and dy reach it in default layout, in memory that lives.
+    * ``mxnet::Context`` is ``{int32 dev_type, int32 dev_id}`` (the native
+      operator passes one to ``MXEnginePushSyncND``).
+    * static_shape graphs register a custom operator's auxiliary states as
+      read-only inputs, so running statistics there are written by an engine
+      operation on the Parameter's own arrays (``op.py``, ``syncbn.cc``).
+
+Failures
+    * A callback returns non-zero for success; a failed one makes MXNet raise a
+      generic ``Check failed ... kCustomOpForward`` error. ``hooks`` appends our
+      cause to ``MXNetError`` (a patch of its ``__init__``).
+    * The custom-operator runtime keeps a failed call's exception in one
+      process-wide slot; simultaneous failures can swap it (``syncbn.cc``:
+      ``failed_call`` spaces them).
+    * A failed call leaves its exception on the arrays it writes until someone
+      waits on them (``registry.Session.clear_failed_arrays``).
+
+Class patches (``hooks``)
+    ``MXNetError.__init__``, ``autograd._RecordingStateScope.__enter__`` and
+    ``__exit__``, ``HybridBlock._call_cached_op``, and an ``atexit`` handler
+    that must run before MXNet's own.
+
+The user's kvstore (``transport._serialize_calls``)
+    Its methods are wrapped to take one lock, and ``init``/``broadcast`` drain
+    the engine: 1.9.1's dist kvstore keeps per-key buffers in unguarded maps.
+
+Engine settings (``engine``)
+    ``MXNET_CPU_TEMP_COPY`` and ``MXNET_CPU_PARALLEL_RAND_COPY`` are read once,
+    at MXNet's first operator; CPU contexts share those pools.
+"""
+import ctypes
+
+import numpy as np
+from mxnet.base import _LIB, check_call
+
+__all__ = ['host_view']
+
+
+def host_view(arr):
+    """A NumPy view of a CPU NDArray's own memory, or None for other devices.
+
+    Inside a callback MXNet's engine already holds this operator's write access
+    to its outputs, input gradients and auxiliary states, so writing the memory
+    directly is safe; ``arr[:] = value`` would push a synchronous copy through
+    the engine (about 130 us each, two thirds of the Python operator's fixed
+    cost per call).
+    """
+    if arr.context.device_type != 'cpu':
+        return None
+    ptr = ctypes.c_void_p()
+    check_call(_LIB.MXNDArrayGetData(arr.handle, ctypes.byref(ptr)))
+    dtype = np.dtype(arr.dtype)
+    size = int(np.prod(arr.shape))
+    buf = (ctypes.c_char * (size * dtype.itemsize)).from_address(ptr.value)
+    return np.frombuffer(buf, dtype=dtype).reshape(arr.shape)
