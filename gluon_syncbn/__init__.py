@@ -22,7 +22,7 @@ install_error_text_hook(_mx.base.MXNetError)
 install_record_abort_hook(_mx.autograd._RecordingStateScope, _SESSION,
                           _mx.autograd.is_recording, _mx.autograd.is_training)
 install_exit_abort_hook(_SESSION, _mx.nd.waitall)
-install_cached_op_hook(_mx.gluon.HybridBlock, _SESSION)
+install_cached_op_hook(_mx.gluon.HybridBlock, _SESSION, _mx.autograd.is_training)
 
 
 def reset():

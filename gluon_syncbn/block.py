@@ -303,6 +303,8 @@ class SyncBatchNorm(HybridBlock):
                                **self._kwargs)
         if imperative:
             registry.SESSION.clear_failed_arrays()
+            registry.SESSION.check_dtypes(self._group_id, "'%s'" % self.name, str(x.context),
+                                          dtype.name)
         axis = self._kwargs['axis']
         if group.native:
             # One native operator does it all: local moments, the rendezvous,

@@ -26,6 +26,8 @@ import atexit
 import re
 import threading
 
+import numpy as np
+
 from .errors import SyncBatchNormError, take_failures
 
 __all__ = ['CENTER_OP', 'install_error_text_hook', 'install_record_abort_hook',
@@ -135,15 +137,30 @@ def request_retrace():
     _retrace_requested[0] = True
 
 
-def install_cached_op_hook(hybrid_block_class, session):
-    """Clear a failed step's errors before a cached graph runs; re-trace after
-    its first call if a layer asked for it."""
+def _blocks(block):
+    yield block
+    for child in block._children.values():
+        yield from _blocks(child)
+
+
+def install_cached_op_hook(hybrid_block_class, session, is_training):
+    """Before a cached graph with SyncBatchNorm layers runs: clear a failed
+    step's errors and check that every device feeds it one dtype in this step;
+    after its first call, re-trace if a layer asked for it."""
     if getattr(hybrid_block_class, '_gluon_syncbn_cached_op_hooked', False):
         return
     original = hybrid_block_class._call_cached_op
 
     def _call_cached_op(self, *args):
         session.clear_failed_arrays()
+        if session.active() and args and hasattr(args[0], 'dtype') and is_training():
+            names = getattr(self, '_gluon_syncbn_layers', None)
+            if names is None:
+                names = self._gluon_syncbn_layers = ', '.join(
+                    "'%s'" % b.name for b in _blocks(self) if hasattr(b, '_group_id'))
+            if names:
+                session.check_dtypes(id(self), names, str(args[0].context),
+                                     np.dtype(args[0].dtype).name)
         out = original(self, *args)
         if _retrace_requested[0]:
             _retrace_requested[0] = False

@@ -50,6 +50,8 @@ class Session(object):
         self._native = None
         self._cleared_token = 0
         self._issue_token = 0
+        self._step = 0
+        self._step_dtypes = {}  # key -> (step, {device: dtype}) of this step's calls
 
     def attach_native(self, lib):
         """Keep the token in the native library, so both operators share one
@@ -74,8 +76,27 @@ class Session(object):
         """The token of a call issued now: the step that began last."""
         return self._issue_token
 
+    def check_dtypes(self, key, name, device, dtype):
+        """Raise if ``device`` feeds ``key`` (a layer or cached graph) another
+        dtype than the other devices did in this step. Checked when a call is
+        issued: found later, inside the operators, the failure would have to
+        travel through MXNet's error path once per device at the same moment."""
+        step, seen = self._step_dtypes.get(key, (None, None))
+        if step != self._step:
+            seen = {}
+            self._step_dtypes[key] = (self._step, seen)
+        seen[device] = dtype
+        if len(set(seen.values())) > 1:
+            exc = SyncBatchNormError(
+                "SyncBatchNorm %s: devices disagree on the input dtype: %s. Cast every slice "
+                "to the same dtype." % (name, ', '.join(
+                    '%s: %s' % (d, t) for d, t in sorted(seen.items()))))
+            self.abort_all(exc)
+            raise exc
+
     def begin_step(self):
         """A training step begins: calls issued from now on belong to it."""
+        self._step += 1
         self._issue_token = self.token()
         if self._native is not None:
             self._native.gsbn_begin_step()
