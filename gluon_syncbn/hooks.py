@@ -154,10 +154,13 @@ def install_cached_op_hook(hybrid_block_class, session, is_training):
     def _call_cached_op(self, *args):
         session.clear_failed_arrays()
         if session.active() and args and hasattr(args[0], 'dtype') and is_training():
-            names = getattr(self, '_gluon_syncbn_layers', None)
-            if names is None:
-                names = self._gluon_syncbn_layers = ', '.join(
+            # The layer names, found again whenever the graph is rebuilt
+            # (convert_model and hybridize() after a first call rebuild it).
+            graph, names = getattr(self, '_gluon_syncbn_layers', (None, None))
+            if names is None or graph is not self._cached_op:
+                names = ', '.join(
                     "'%s'" % b.name for b in _blocks(self) if hasattr(b, '_group_id'))
+                self._gluon_syncbn_layers = (self._cached_op, names)
             if names:
                 session.check_dtypes(id(self), names, str(args[0].context),
                                      np.dtype(args[0].dtype).name)

@@ -120,11 +120,12 @@ class Session(object):
     def abort(self, cause, exiting=False):
         """Start a new token; calls issued before now belong to an aborted step."""
         with self._lock:
-            self._token += 1
-            self._cause = cause
+            if self._native is None:
+                self._token += 1
+                self._cause = cause
+            else:  # the token lives there (see attach_native)
+                self._native.gsbn_abort(str(cause).encode('utf-8', 'replace'))
             listeners = [] if exiting else list(self._abort_listeners)
-        if self._native is not None:
-            self._native.gsbn_abort(str(cause).encode('utf-8', 'replace'))
         for listener in listeners:
             listener(cause)
 
@@ -241,7 +242,7 @@ class SyncGroup(object):
         """Hand the native operator each device's running mean and variance
         arrays, for static_shape graphs (see ``syncbn.cc``, RunningUpdate)."""
         arrays = [self.running_params(d) for d in range(len(self.devices))]
-        if self.native and [a.handle.value for p in arrays for a in p] != [
+        if [a.handle.value for p in arrays for a in p] != [
                 a.handle.value for p in self._running_arrays for a in p]:
             self._running_arrays = arrays  # keeps the handles valid
             for device, (mean, var) in enumerate(arrays):

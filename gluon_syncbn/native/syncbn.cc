@@ -508,7 +508,7 @@ struct Prop {
   double eps = 1e-5, momentum = 0.9;
   bool fix_gamma = false, static_shape = false;
   int axis = 1;
-  std::vector<int> shape_buffer[5];  // shapes handed back from infer_shape
+  std::vector<int> shape_buffer[3];  // shapes handed back from infer_shape: (C,), x, info
   Fn callbacks[10];
   void* contexts[10];
 };
