@@ -14,7 +14,7 @@ setup(
     long_description_content_type='text/markdown',
     packages=find_packages(include=['gluon_syncbn', 'gluon_syncbn.*']),
     # The native operator's source: compiled at first import (gluon_syncbn/native).
-    package_data={'gluon_syncbn': ['native/*.cc']},
+    package_data={'gluon_syncbn': ['native/*.cc', 'native/*.h']},
     python_requires='>=3.7',
     # MXNet 1.9.1 uses np.bool, removed in NumPy 1.24.
     install_requires=['numpy<1.24'],

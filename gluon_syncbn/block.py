@@ -11,7 +11,7 @@ from . import native
 from . import op as _op
 from . import registry
 from .transport import make_transport
-from .engine import check_cpu_contexts, is_naive_engine, mkldnn_active
+from .engine import check_cpu_contexts, is_naive_engine, mkldnn_active, in_host_memory
 from .hooks import CENTER_OP, request_retrace
 from .errors import SyncBatchNormError
 
@@ -249,8 +249,8 @@ class SyncBatchNorm(HybridBlock):
         group = self._group
         if group is None or group.devices != devices:
             check_cpu_contexts(self.name, devices)
-            self._fast_ops = (mkldnn_active() and all(d.startswith('cpu') for d in devices)
-                                 and os.environ.get('GLUON_SYNCBN_CONV_NORMALIZE', '1') != '0')
+            self._fast_ops = (mkldnn_active() and in_host_memory(devices)
+                              and os.environ.get('GLUON_SYNCBN_CONV_NORMALIZE', '1') != '0')
             group = registry.SyncGroup(self._group_id, self.name, devices,
                                        self._kwargs['axis'], self._timeout,
                                        transport=self._transport,
@@ -306,20 +306,20 @@ class SyncBatchNorm(HybridBlock):
             registry.SESSION.check_dtypes(self._group_id, "'%s'" % self.name, str(x.context),
                                           dtype.name)
         axis = self._kwargs['axis']
-        if group.native:
+        if not imperative and self._static_shape and group.operator != 'python':
+            try:
+                group.register_running_arrays()
+            except DeferredInitializationError:
+                request_retrace()  # shapes are known after the first call
+        if group.operator == 'host':
             # One native operator does it all: local moments, the rendezvous,
-            # normalization and running statistics (see native/syncbn.cc).
-            if not imperative and self._static_shape:
-                try:
-                    group.register_running_arrays()
-                except DeferredInitializationError:
-                    request_retrace()  # shapes are known after the first call
+            # normalization and running statistics (see native/host_op.h).
             # float16/32 go through float64: the Casts hand the operator x and
             # dy in MXNet's default layout (see mxnet_private.py, "layouts").
             wide = dtype != np.float64
             out, _ = F.Custom(F.Cast(x, dtype='float64') if wide else x,
                               gamma, beta, running_mean, running_var,
-                              op_type=native.OP_TYPE, group=group.group_id,
+                              op_type=native.HOST_OP_TYPE, group=group.group_id,
                               eps=self._kwargs['eps'], momentum=self._kwargs['momentum'],
                               fix_gamma=self._kwargs['fix_gamma'],
                               static_shape=self._static_shape, axis=axis,
@@ -363,9 +363,12 @@ class SyncBatchNorm(HybridBlock):
         m2 = moments(xc)
         sqdev = moments(F.square(xc))
         shape = F.BlockGrad(F.shape_array(x))
+        # The synchronization step on per-channel vectors: the native device
+        # operator (native/device_op.h) or, across processes, op.py's.
         scale, shift, _ = F.Custom(
             m1, m2, sqdev, shape, gamma, beta, running_mean, running_var,
-            op_type=_op.OP_TYPE, group=group.group_id, eps=self._kwargs['eps'],
+            op_type=native.DEVICE_OP_TYPE if group.operator == 'device' else _op.OP_TYPE,
+            group=group.group_id, eps=self._kwargs['eps'],
             momentum=self._kwargs['momentum'], fix_gamma=self._kwargs['fix_gamma'],
             static_shape=self._static_shape, row_sums=channels > 0,
             input_dtype=dtype.name,

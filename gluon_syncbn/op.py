@@ -22,23 +22,21 @@ import numpy as np
 import mxnet as mx
 from mxnet.ndarray.ndarray import _DTYPE_MX_TO_NP
 
-from . import stats
+from . import stats, wire
 from .errors import SyncBatchNormError, record_failure
 from .mxnet_private import host_view
 from .registry import SESSION, get_group
 
 OP_TYPE = '_gluon_syncbn'
 
-# info output: [token, call number, global count, mean (C), var (C)]
-_INFO_HEAD = 3
 
-
-def _write(dst, req, value):
-    """Store a NumPy value into a callback array without issuing an operator."""
+def _write(dst, req, value, in_place):
+    """Store a NumPy value into a callback array: in place (``in_place``: host
+    memory, no operator issued) or by a copy through MXNet (GPUs)."""
     if req == 'null':
         return
     value = np.asarray(value, dtype=dst.dtype).reshape(dst.shape)
-    view = host_view(dst)
+    view = host_view(dst) if in_place else None
     if view is None:
         dst[:] = value + dst.asnumpy() if req == 'add' else value
     elif req == 'add':
@@ -88,6 +86,7 @@ class SyncBatchNormOp(mx.operator.CustomOp):
         self.momentum = momentum
         self.fix_gamma = fix_gamma
         self.static_shape = static_shape
+        self.in_place = group.host_memory
         # The step this call was issued in. A static_shape graph creates its
         # operators once, at the first call, so there it means nothing.
         self.token = None if static_shape else SESSION.issue_token()
@@ -104,7 +103,7 @@ class SyncBatchNormOp(mx.operator.CustomOp):
         beta = _read(in_data[5])
         if not is_train:
             mean, var = _read(aux[0]), _read(aux[1])
-            head = (-1.0, -1.0, 0.0)
+            token, call, n = -1, -1, 0
         else:
             barrier = self.group.barrier
             key = barrier.next_forward_key(self.device, self.token)
@@ -113,11 +112,11 @@ class SyncBatchNormOp(mx.operator.CustomOp):
                                      token=self.token)
             n, mean, var = stats.merge(total)
             self._update_running(aux, mean, var)
-            head = (float(key[1]), float(key[2]), n)
+            token, call = key[1], key[2]
         scale, shift, _ = stats.normalize_coefficients(mean, var, m1, gamma, beta, self.eps)
-        _write(out_data[0], req[0], scale)
-        _write(out_data[1], req[1], shift)
-        _write(out_data[2], req[2], np.concatenate((head, mean, var)))
+        _write(out_data[0], req[0], scale, self.in_place)
+        _write(out_data[1], req[1], shift, self.in_place)
+        _write(out_data[2], req[2], wire.pack_info(token, call, n, mean, var), self.in_place)
 
     def _update_running(self, aux, mean, var):
         mom = self.momentum
@@ -129,8 +128,8 @@ class SyncBatchNormOp(mx.operator.CustomOp):
             aux[0][:] = new[0]
             aux[1][:] = new[1]
         else:
-            _write(aux[0], 'write', new[0])
-            _write(aux[1], 'write', new[1])
+            _write(aux[0], 'write', new[0], self.in_place)
+            _write(aux[1], 'write', new[1], self.in_place)
         if self.static_shape and self.device == 0:
             # MXNet 1.9.1's static_shape executor registers auxiliary states as
             # read-only dependencies, so nothing orders later readers (the
@@ -143,11 +142,8 @@ class SyncBatchNormOp(mx.operator.CustomOp):
                     mx.nd.array(value, ctx=param.context, dtype=value.dtype).copyto(param)
 
     def backward(self, req, out_grad, in_data, out_data, in_grad, aux):
-        info = _read(out_data[2])
-        channels = (info.size - _INFO_HEAD) // 2
-        token, call, n = info[0], info[1], info[2]
-        mean = info[_INFO_HEAD:_INFO_HEAD + channels]
-        var = info[_INFO_HEAD + channels:]
+        token, call, n, mean, var = wire.unpack_info(_read(out_data[2]))
+        channels = mean.size
         if call < 0:
             self._fail(SyncBatchNormError(
                 "SyncBatchNorm '%s': backward through a call made in inference mode; record "
@@ -157,17 +153,19 @@ class SyncBatchNormOp(mx.operator.CustomOp):
         gamma = np.ones_like(m1) if self.fix_gamma else _read(in_data[4])
         inv_std = 1.0 / np.sqrt(var + self.eps)
         contribution, d_gamma, d_beta = stats.backward_contribution(
-            _read(out_grad[0]), _read(out_grad[1]), mean, m1, gamma, inv_std)
-        key = ('bwd', int(token), int(call))
+            _read(out_grad[0]), _read(out_grad[1]), mean, m1, inv_std)
+        key = ('bwd', token, call)
         total = self.group.barrier.exchange(key, self.device, (contribution, self.input_dtype),
                                             token=self.token)
-        d_m2, d_v = stats.local_moment_grads(total, count, n, mean, m1)
-        _write(in_grad[0], req[0], 0)  # m1 is a constant (BlockGrad in the block)
-        _write(in_grad[1], req[1], _rows_grad(d_m2, in_data[1], count, self.row_sums))
-        _write(in_grad[2], req[2], _rows_grad(d_v, in_data[2], count, self.row_sums))
-        _write(in_grad[3], req[3], 0)
-        _write(in_grad[4], req[4], 0 if self.fix_gamma else d_gamma)
-        _write(in_grad[5], req[5], d_beta)
+        d_m2, d_v = stats.local_moment_grads(total, count, n, mean, m1, gamma, inv_std)
+        _write(in_grad[0], req[0], 0, self.in_place)  # m1 is a constant (BlockGrad in the block)
+        _write(in_grad[1], req[1], _rows_grad(d_m2, in_data[1], count, self.row_sums),
+               self.in_place)
+        _write(in_grad[2], req[2], _rows_grad(d_v, in_data[2], count, self.row_sums),
+               self.in_place)
+        _write(in_grad[3], req[3], 0, self.in_place)
+        _write(in_grad[4], req[4], 0 if self.fix_gamma else d_gamma, self.in_place)
+        _write(in_grad[5], req[5], d_beta, self.in_place)
 
 
 @mx.operator.register(OP_TYPE)
@@ -218,7 +216,7 @@ class SyncBatchNormProp(mx.operator.CustomOpProp):
         # residual and sqdev: one row of C sums or means per sample, or one row.
         return ([stat_shape, tuple(in_shape[1]), tuple(in_shape[2]),
                  (ndim,) if ndim > 0 else (0,), vec, vec],
-                [stat_shape, stat_shape, (_INFO_HEAD + 2 * channels,)],
+                [stat_shape, stat_shape, (wire.info_size(channels),)],
                 [vec, vec])
 
     @staticmethod

@@ -14,7 +14,9 @@ import threading
 import numpy as np
 
 from . import native
+from . import wire
 from .barrier import CallOrderBarrier
+from .engine import in_host_memory
 from .errors import (SyncBatchNormError, SyncBatchNormTimeout, add_failure_source,
                      record_failure)
 from .transport import LocalTransport
@@ -229,18 +231,23 @@ class SyncGroup(object):
         hint = timeout_hint(self.devices)
         self.barrier = CallOrderBarrier(name, self.devices, self._combine, timeout,
                                         hint=hint, session=SESSION)
-        # The native operator serves CPU devices of this process.
-        self.native = (SESSION._native is not None and not self.transport.cross_process
-                       and all(d.startswith('cpu') for d in self.devices))
+        self.host_memory = in_host_memory(self.devices)
+        # Which operator synchronizes the calls: the native host operator (CPU
+        # contexts), the native device operator (GPUs), or the Python one
+        # (across processes: its transports are Python; or no native library).
+        if SESSION._native is None or self.transport.cross_process:
+            self.operator = 'python'
+        else:
+            self.operator = 'host' if self.host_memory else 'device'
         self._running_arrays = []
-        if self.native:
+        if self.operator != 'python':
             SESSION._native.gsbn_group_create(
                 group_id.encode(), name.encode(), b'\0'.join(d.encode() for d in self.devices),
                 len(self.devices), float(timeout), hint.encode())
 
     def register_running_arrays(self):
         """Hand the native operator each device's running mean and variance
-        arrays, for static_shape graphs (see ``syncbn.cc``, RunningUpdate)."""
+        arrays, for static_shape graphs (see ``host_op.h``, RunningUpdate)."""
         arrays = [self.running_params(d) for d in range(len(self.devices))]
         if [a.handle.value for p in arrays for a in p] != [
                 a.handle.value for p in self._running_arrays for a in p]:
@@ -291,9 +298,8 @@ class SyncGroup(object):
             raise SyncBatchNormError(
                 "SyncBatchNorm '%s': devices disagree on the channel count: %s. Every device "
                 "must feed the same number of channels on axis %d." % (
-                    self.name, ', '.join('%s: %d' % (self.devices[i], (s - 1) // 2 if key[0] == 'fwd'
-                                                      else s // 2)
-                                         for i, s in sorted(sizes.items())), self.axis))
+                    self.name, ', '.join('%s: %d' % (self.devices[i], wire.channels_of(key[0], v[0]))
+                                         for i, v in sorted(values.items())), self.axis))
         if len(set(dtypes.values())) > 1:
             raise SyncBatchNormError(
                 "SyncBatchNorm '%s': devices disagree on the input dtype: %s. Cast every "
@@ -321,7 +327,7 @@ def get_group(group_id):
 def unregister(group_id):
     with _lock:
         group = _groups.pop(group_id, None)
-    if group is not None and group.native:
+    if group is not None and group.operator != 'python':
         SESSION._native.gsbn_group_remove(group_id.encode())
 
 

@@ -19,13 +19,16 @@ are merged exactly by summing, in float64, ``n``, ``n*mean`` and
 all-reduce, whatever the transport). The only rounding left is float64's,
 about ``1e-16 * mean**2 / var`` relative.
 
-Backward needs the global sums of ``dL/d delta`` and ``dL/d var`` (one
-all-reduce of ``2*C`` numbers), equivalent to the sums of ``dy`` and
-``dy * xhat`` of the textbook formula.
+Backward needs the global sums of ``dy`` and ``dy * (x - mean)`` (one
+all-reduce of ``2*C`` numbers), those of the textbook formula.
+
+The vectors' layouts are :mod:`gluon_syncbn.wire`'s.
 
 All functions take and return 1-D float64 arrays of length ``C`` (channels).
 """
 import numpy as np
+
+from . import wire
 
 __all__ = ['forward_contribution', 'merge', 'normalize_coefficients',
            'backward_contribution', 'local_moment_grads']
@@ -33,20 +36,15 @@ __all__ = ['forward_contribution', 'merge', 'normalize_coefficients',
 
 def forward_contribution(count, m1, m2, v):
     """The vector ``[n, n*mean, n*(var + mean**2)]`` one device adds to the sum."""
-    mean = m1 + m2
-    var = np.maximum(v - m2 * m2, 0.0)
-    return np.concatenate(([float(count)], count * mean, count * (var + mean * mean)))
+    return wire.pack_forward(count, m1 + m2, np.maximum(v - m2 * m2, 0.0))
 
 
 def merge(total):
     """Global ``(n, mean, biased var)`` from the summed forward contributions."""
-    channels = (total.size - 1) // 2
-    n = total[0]
-    if n <= 0:
+    if total[0] <= 0:
         raise ValueError('the batch is empty on every device')
-    mean = total[1:1 + channels] / n
-    var = np.maximum(total[1 + channels:] / n - mean * mean, 0.0)
-    return n, mean, var
+    n, mean, mean_sq = wire.unpack_forward(total)
+    return n, mean, np.maximum(mean_sq - mean * mean, 0.0)
 
 
 def normalize_coefficients(mean, var, m1, gamma, beta, eps):
@@ -61,30 +59,26 @@ def normalize_coefficients(mean, var, m1, gamma, beta, eps):
     return scale, shift, inv_std
 
 
-def backward_contribution(d_scale, d_shift, mean, m1, gamma, inv_std):
-    """Per-device ``(dL/d delta, dL/d var)`` and the gamma/beta gradients.
+def backward_contribution(d_scale, d_shift, mean, m1, inv_std):
+    """This device's ``BACKWARD`` vector and its gamma/beta gradients.
 
     ``d_scale`` and ``d_shift`` are the gradients MXNet's autograd delivers for
     ``scale`` and ``shift`` on this device (sums of ``dy*(x-m1)`` and ``dy``).
-    Returns ``(contribution, d_gamma, d_beta)`` where ``contribution`` is the
-    ``2*C`` vector to all-reduce.
+    Returns ``(contribution, d_gamma, d_beta)``.
     """
-    delta = mean - m1
-    d_delta = -d_shift * gamma * inv_std
-    d_scale_total = d_scale - d_shift * delta          # = sum(dy * (x - mean))
-    d_gamma = d_scale_total * inv_std                  # = sum(dy * xhat)
-    d_var = -0.5 * d_scale_total * gamma * inv_std ** 3
-    return np.concatenate((d_delta, d_var)), d_gamma, d_shift
+    sum_dy_xc = d_scale - d_shift * (mean - m1)        # = sum(dy * (x - mean))
+    return wire.pack_backward(d_shift, sum_dy_xc), sum_dy_xc * inv_std, d_shift
 
 
-def local_moment_grads(total, count, n, mean, m1):
-    """Gradients for this device's ``(m2, v)`` from the summed backward vector.
+def local_moment_grads(total, count, n, mean, m1, gamma, inv_std):
+    """Gradients for this device's ``(m2, v)`` from the summed ``BACKWARD`` vector.
 
     ``m1`` is a constant (see above), so these carry the whole gradient of the
     statistics: ``dL/dx = dy*scale + d_m2/count + d_v*2*(x - m1)/count``.
     """
-    channels = total.size // 2
-    g_delta, g_var = total[:channels], total[channels:]
+    sum_dy, sum_dy_xc = wire.unpack_backward(total)
+    g_delta = -sum_dy * gamma * inv_std                # dL/d(global mean - m1)
+    g_var = -0.5 * sum_dy_xc * gamma * inv_std ** 3    # dL/d(global var)
     w = count / n
     d_m2 = g_delta * w + g_var * 2.0 * w * (m1 - mean)
     d_v = g_var * w

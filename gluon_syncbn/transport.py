@@ -13,7 +13,7 @@ Rules every cross-process transport follows:
   main thread, in the network's order, identically on every worker, so the
   kvstore keys (which need a collective ``init``) line up.
 * Every reduction carries two check numbers, the channel count and the
-  layer's call number. Their sums must be ``workers x`` this worker's: if not,
+  layer's call number (``wire.CHECKED``). Their sums must be ``workers x`` this worker's: if not,
   the workers are out of step, or a kvstore applies an optimizer to our keys
   (a Trainer with ``update_on_kvstore=True``). Either is an error, never a
   silently wrong mean.
@@ -33,6 +33,7 @@ import weakref
 
 import numpy as np
 
+from . import wire
 from .errors import SyncBatchNormError, SyncBatchNormTimeout, record_failure
 
 __all__ = ['LocalTransport', 'KVStoreTransport', 'HorovodTransport', 'make_transport']
@@ -40,7 +41,6 @@ __all__ = ['LocalTransport', 'KVStoreTransport', 'HorovodTransport', 'make_trans
 # Trainer uses int keys 0..P-1 and one store cannot mix int and str keys, so
 # ours are ints far above any parameter count: slot s uses KEY_BASE + 2s (+1).
 KEY_BASE = 1 << 30
-_CHECKS = 2  # leading check numbers of every cross-process vector
 DEFAULT_EXIT_GRACE = 30.0
 
 _SUPPORTED_KVSTORES = ('dist_sync', 'dist_sync_device', 'dist_device_sync')
@@ -87,8 +87,8 @@ class _CrossProcessTransport(object):
         with self._lock:
             slot = len(self._slots)
             self._layers[slot] = "'%s' (slot %d)" % (layer_name, slot)
-            # forward vectors: count, C sums of means, C sums of variances
-            self._init_slot(slot, _CHECKS + 1 + 2 * channels, _CHECKS + 2 * channels)
+            self._init_slot(slot, wire.CHECKS + wire.forward_size(channels),
+                            wire.CHECKS + wire.backward_size(channels))
             self._slots[group_id] = slot
 
     def allreduce(self, group_id, key, vector, timeout):
@@ -102,9 +102,8 @@ class _CrossProcessTransport(object):
                 'SyncBatchNorm: layer %s has no %s slot: its first call was not issued from '
                 'the main thread; this is a bug in gluon_syncbn, please report it.'
                 % (group_id, self.name))
-        channels = (len(vector) - (1 if direction == 'fwd' else 0)) // 2
-        checks = np.array([channels, call], dtype=np.float64)
-        payload = np.concatenate((checks, np.asarray(vector, dtype=np.float64)))
+        payload = wire.pack_checked(wire.channels_of(direction, vector), call, vector)
+        checks = payload[:wire.CHECKS]
         try:
             with self._lock:
                 wait = self._start(slot, direction, payload)
@@ -116,11 +115,12 @@ class _CrossProcessTransport(object):
                 'SyncBatchNorm: the %s reduction of layer %s failed in %s: %s: %s. '
                 'Another worker probably died; see its log.' % (
                     direction, self._layers[slot], self.name, type(exc).__name__, exc)))
+        got, total = wire.unpack_checked(total)
         expected = checks * self.num_workers
-        if not np.array_equal(total[:_CHECKS], expected):
+        if not np.array_equal(got, expected):
             raise self._fatal(SyncBatchNormError(self._mismatch_message(
-                direction, slot, checks, total[:_CHECKS], expected)))
-        return total[_CHECKS:]
+                direction, slot, checks, got, expected)))
+        return total
 
     def _mismatch_message(self, direction, slot, checks, got, expected):
         where = 'SyncBatchNorm: at the %s reduction of layer %s, the %d workers\' ' \

@@ -88,16 +88,32 @@ def result_of(results, index):
     return result
 
 
-# The two implementations of the synchronization operator on CPU contexts
-# (see gluon_syncbn/native): the exactness and fault suites run on both.
-OPERATORS = ['native', 'python']
+# The implementations of the synchronization operator (see gluon_syncbn/native):
+# the exactness and fault suites run on each.
 OPERATOR_VARIABLE = 'GLUON_SYNCBN_OPERATOR'
+DEVICE_PATH_VARIABLE = 'GLUON_SYNCBN_DEVICE_PATH'
+# Every code path a layer call can take, and the environment that selects it
+# on CPU contexts: the '-device' ones are the paths GPUs take (MXNet's
+# operators compute the moments; arrays are copied, never touched in place).
+PATHS = {
+    'native': {OPERATOR_VARIABLE: 'native'},  # the host operator
+    'python': {OPERATOR_VARIABLE: 'python'},
+    'native-device': {OPERATOR_VARIABLE: 'native', DEVICE_PATH_VARIABLE: '1'},
+    'python-device': {OPERATOR_VARIABLE: 'python', DEVICE_PATH_VARIABLE: '1'},
+}
+# The operator each path runs (the layer's group.operator).
+PATH_OPERATOR = {'native': 'host', 'python': 'python', 'native-device': 'device',
+                 'python-device': 'python'}
 
 
-@pytest.fixture(params=OPERATORS)
+@pytest.fixture(params=['native', 'python', 'native-device'])
 def operator(request, monkeypatch):
-    """Run the test's subprocesses with each operator implementation in turn."""
-    monkeypatch.setenv(OPERATOR_VARIABLE, request.param)
+    """Run the test's subprocesses on each operator in turn: the native host and
+    device operators and the Python one (see PATHS)."""
+    for name, value in PATHS[request.param].items():
+        monkeypatch.setenv(name, value)
+    if DEVICE_PATH_VARIABLE not in PATHS[request.param]:
+        monkeypatch.delenv(DEVICE_PATH_VARIABLE, raising=False)
     return request.param
 
 

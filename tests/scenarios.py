@@ -125,6 +125,7 @@ def layer_vs_reference(shape, sizes, axis=1, dtype='float32', hybridize=False, s
             errs.note('running_var_vs_nn', bn.running_var.data(ctxs[0]).asnumpy(),
                  ref.running_var.data().asnumpy())
     errs['out_dtype_ok'] = float(all(a.dtype == np.dtype(dtype) for a in ys))
+    errs['operator'] = bn._group.operator  # which operator synchronized (see registry)
     if hybridize:
         # which normalization the cached graph uses now (see block._channel_affine)
         errs['graph_uses_convolution'] = float('Convolution' in bn._cached_graph[1].tojson())

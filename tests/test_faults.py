@@ -1,6 +1,6 @@
 """Bad input and faults: a clear error naming the layer and the fix, within a
 bound, and the next training step is exact again. Each case runs in its own
-subprocess with a hard deadline, once per operator implementation."""
+subprocess with a hard deadline, once per operator (conftest.operator)."""
 import os
 import subprocess
 import sys
@@ -15,7 +15,7 @@ RECOVERED = 1e-5  # relative error of the next, correct step vs float64 maths
 
 @pytest.fixture(autouse=True)
 def each_operator(operator):
-    """Every test here runs with the native and with the Python operator."""
+    """Every test here runs with the native host and device operators and the Python one."""
 
 
 @pytest.mark.parametrize('hybridize', [False, True])

@@ -3,12 +3,13 @@
 Each case compares output, input gradient, gamma/beta gradients (summed over
 devices) and running statistics after 3 steps with float64 NumPy maths on the
 same input, and (float32, no offset) with gluon.nn.BatchNorm on one context.
-All cases run in one subprocess per operator implementation (native and
-Python, see gluon_syncbn/native) with a hard deadline (see conftest).
+All cases run in one subprocess per code path (the native host operator, the
+Python operator, and the two on the path GPUs take, see conftest.PATHS) with a
+hard deadline.
 """
 import pytest
 
-from tests.conftest import OPERATOR_VARIABLE, OPERATORS, result_of, run_batch
+from tests.conftest import PATHS, PATH_OPERATOR, result_of, run_batch
 
 F32 = 1e-5          # relative, as the issue asks
 F16_OUT = 2e-3      # float16 output/input-gradient rounding (eps 9.8e-4)
@@ -46,10 +47,10 @@ CASES = {
 IDS = list(CASES)
 
 
-@pytest.fixture(scope='module', params=OPERATORS)
+@pytest.fixture(scope='module', params=list(PATHS))
 def results(request):
     return run_batch([('layer_vs_reference', CASES[i]) for i in IDS], timeout=600,
-                     env={OPERATOR_VARIABLE: request.param})
+                     env=PATHS[request.param])
 
 
 @pytest.mark.parametrize('case', IDS)
@@ -66,14 +67,21 @@ def test_matches_full_batch_reference(results, case):
     assert errs['out_dtype_ok'] == 1.0
 
 
+@pytest.mark.parametrize('case', ['N2-even', 'N2-hybrid', 'N3-hybrid-static', 'N2-float16'])
+def test_each_path_runs_its_operator(results, case, request):
+    path = request.node.callspec.params['results']
+    assert result_of(results, IDS.index(case))['operator'] == PATH_OPERATOR[path]
+
+
 @pytest.mark.parametrize('case,fast', [('N2-hybrid', 1.0), ('N3-deferred-hybrid', 1.0),
                                        ('N2-deferred-static', 1.0), ('N4-hybrid-nhwc', 0.0)])
 def test_hybridized_graphs_normalize_with_the_fast_convolution(results, case, fast, request):
     # Python operator, float32, axis 1, MKL-DNN: a depthwise convolution, also
     # when the graph was first traced before the channel count was known (it
     # is traced again); channels-last keeps the broadcast operators. The
-    # native operator normalizes itself: no convolution.
-    if request.node.callspec.params['results'] == 'native':
+    # native host operator normalizes itself: no convolution; the GPU path
+    # uses the broadcast operators.
+    if request.node.callspec.params['results'] != 'python':
         fast = 0.0
     assert result_of(results, IDS.index(case))['graph_uses_convolution'] == fast
 

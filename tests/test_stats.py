@@ -35,14 +35,14 @@ def sync_bn(parts, dys, gamma, beta, eps=1e-5):
         d_scale = (dy * xc).sum(axis=(0, 2, 3))
         d_shift = dy.sum(axis=(0, 2, 3))
         contribution, d_gamma, d_beta = stats.backward_contribution(
-            d_scale, d_shift, mean, m1, gamma, inv)
-        saved.append((p, dy, xc, m1, m2, scale, contribution))
+            d_scale, d_shift, mean, m1, inv)
+        saved.append((p, dy, xc, m1, m2, scale, inv, contribution))
         bwd.append((d_gamma, d_beta))
     btotal = sum(s[-1] for s in saved)
     dxs = []
-    for p, dy, xc, m1, m2, scale, contribution in saved:
+    for p, dy, xc, m1, m2, scale, inv, contribution in saved:
         count = p.size // p.shape[1]
-        d_m2, d_v = stats.local_moment_grads(btotal, count, n, mean, m1)
+        d_m2, d_v = stats.local_moment_grads(btotal, count, n, mean, m1, gamma, inv)
         b = lambda a: a.reshape(1, -1, 1, 1)  # noqa: E731
         # m1 is a constant: no term through it
         dxs.append(dy * b(scale) + b(d_m2) / count + b(d_v) * 2 * xc / count)

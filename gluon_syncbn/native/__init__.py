@@ -1,7 +1,8 @@
-"""The native operator (``syncbn.cc``): built once per MXNet version, loaded with ctypes.
+"""The native operators (``syncbn.cc``): built once per MXNet version, loaded with ctypes.
 
-``GLUON_SYNCBN_OPERATOR`` selects the implementation of the synchronization
-operator on CPU contexts:
+Two operators: the host operator (CPU contexts: the whole layer call) and the
+device operator (GPUs: the synchronization step on per-channel vectors).
+``GLUON_SYNCBN_OPERATOR`` selects the implementation within one process:
 
 ``auto`` (default)
     the native operator; if it cannot be built here (no C++ compiler, no MXNet
@@ -10,6 +11,9 @@ operator on CPU contexts:
     the native operator, or an error saying why it cannot be built;
 ``python``
     the Python operator (``gluon_syncbn.op``), nothing is built.
+
+Across processes (kvstore, Horovod) the Python operator always runs: its
+transports are Python.
 
 The library is compiled with ``$CXX`` (default ``g++``) against the C API
 headers and ``libmxnet.so`` that ship in the mxnet wheel, into
@@ -27,12 +31,14 @@ import warnings
 
 from ..errors import SyncBatchNormError
 
-__all__ = ['OP_TYPE', 'load', 'implementation']
+__all__ = ['HOST_OP_TYPE', 'DEVICE_OP_TYPE', 'load', 'implementation']
 
-OP_TYPE = '_gluon_syncbn_native'
+HOST_OP_TYPE = '_gluon_syncbn_host'
+DEVICE_OP_TYPE = '_gluon_syncbn_device'
 IMPLEMENTATION_VARIABLE = 'GLUON_SYNCBN_OPERATOR'
 CACHE_VARIABLE = 'GLUON_SYNCBN_CACHE'
-SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'syncbn.cc')
+SOURCE_DIR = os.path.dirname(os.path.abspath(__file__))
+SOURCE = os.path.join(SOURCE_DIR, 'syncbn.cc')  # includes the .h files beside it
 FLAGS = ['-O3', '-shared', '-fPIC', '-std=c++14']
 BUILD_SECONDS = 300
 
@@ -60,8 +66,12 @@ def _mxnet_dir():
 def library_path():
     """Where the library for this MXNet version and this source lives."""
     mx_dir, version = _mxnet_dir()
-    with open(SOURCE, 'rb') as f:
-        digest = hashlib.sha256(f.read() + ' '.join(FLAGS).encode()).hexdigest()[:16]
+    digest = hashlib.sha256(' '.join(FLAGS).encode())
+    for name in sorted(os.listdir(SOURCE_DIR)):
+        if name.endswith(('.cc', '.h')):
+            with open(os.path.join(SOURCE_DIR, name), 'rb') as f:
+                digest.update(name.encode() + b'\0' + f.read())
+    digest = digest.hexdigest()[:16]
     cache = os.environ.get(CACHE_VARIABLE) or os.path.join(
         os.environ.get('XDG_CACHE_HOME') or os.path.join(os.path.expanduser('~'), '.cache'),
         'gluon_syncbn')
@@ -96,7 +106,7 @@ def build(path):
 
 def _declare(lib):
     c = ctypes
-    lib.gsbn_register.argtypes = [c.c_char_p]
+    lib.gsbn_register.argtypes = [c.c_char_p, c.c_char_p]
     lib.gsbn_group_create.argtypes = [c.c_char_p, c.c_char_p, c.c_char_p, c.c_int, c.c_double,
                                       c.c_char_p]
     lib.gsbn_group_create.restype = None
@@ -128,7 +138,7 @@ def load():
                 build(path)
             lib = ctypes.CDLL(path)
             _declare(lib)
-            if lib.gsbn_register(OP_TYPE.encode()) != 0:
+            if lib.gsbn_register(HOST_OP_TYPE.encode(), DEVICE_OP_TYPE.encode()) != 0:
                 raise NativeUnavailable('MXCustomOpRegister failed')
             _state['lib'] = lib
         except (NativeUnavailable, OSError) as exc:

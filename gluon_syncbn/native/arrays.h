@@ -1,0 +1,173 @@
+// The arrays a custom-operator callback receives, read and written two ways:
+// in place (host memory: CPU contexts) or by copies through MXNet (any
+// device: what the device operator does on GPUs, and on CPU contexts under
+// GLUON_SYNCBN_DEVICE_PATH=1, so CI runs that code too).
+#pragma once
+#include <mxnet/c_api.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include <nnvm/c_api.h>  // NNGetOpHandle
+
+namespace {
+
+typedef int (*Fn)(void);
+const int kFloat32 = 0, kFloat64 = 1, kFloat16 = 2, kInt32 = 4, kInt64 = 6;  // mshadow flags
+const int kNull = 0, kAddTo = 3;                                            // OpReqType
+const int kInData = 0, kOutData = 1, kInGrad = 2, kOutGrad = 3, kAux = 4;   // callback tags
+
+struct Array {
+  void* data = nullptr;
+  int dtype = kFloat32;
+  std::vector<int64_t> shape;
+  int64_t size() const { int64_t s = 1; for (auto d : shape) s *= d; return s; }
+};
+
+Array view(NDArrayHandle h) {
+  Array a;
+  int ndim = 0;
+  const int64_t* dims = nullptr;
+  MXNDArrayGetShapeEx64(h, &ndim, &dims);
+  if (ndim > 0) a.shape.assign(dims, dims + ndim);
+  MXNDArrayGetDType(h, &a.dtype);
+  if (ndim > 0 && a.size() > 0) MXNDArrayGetData(h, &a.data);
+  return a;
+}
+
+double at(const Array& a, int64_t i) {
+  return a.dtype == kFloat64 ? static_cast<const double*>(a.data)[i]
+                             : static_cast<const float*>(a.data)[i];
+}
+
+void put(const Array& a, int64_t i, double v, int req) {
+  if (a.dtype == kFloat64) {
+    double* p = static_cast<double*>(a.data) + i;
+    *p = req == kAddTo ? *p + v : v;
+  } else {
+    float* p = static_cast<float*>(a.data) + i;
+    *p = static_cast<float>(req == kAddTo ? *p + v : v);
+  }
+}
+
+// The (outer, C, inner) view of an array around the channel axis.
+struct Layout {
+  int64_t outer = 1, channels = 1, inner = 1;
+  Layout(const std::vector<int64_t>& shape, int axis) {
+    if (axis < 0) axis += static_cast<int>(shape.size());
+    for (int i = 0; i < static_cast<int>(shape.size()); ++i)
+      (i < axis ? outer : i > axis ? inner : channels) *= shape[i];
+  }
+  int64_t count() const { return outer * inner; }
+};
+
+// Calls f(channel, element index) over every element, channel-major order
+// within each outer block: contiguous runs of `inner` elements.
+template <typename F> void for_each(const Layout& l, F f) {
+  for (int64_t o = 0; o < l.outer; ++o)
+    for (int64_t c = 0; c < l.channels; ++c) {
+      int64_t base = (o * l.channels + c) * l.inner;
+      for (int64_t i = 0; i < l.inner; ++i) f(c, base + i);
+    }
+}
+
+
+// ------------------------------------------------------- copies through MXNet --
+// MXNDArraySyncCopyToCPU/FromCPU wait for the array's engine variable. The
+// arrays a callback gets have fresh variables of their own (AllocateNDArrayCopy),
+// so the waits end at once; on a GPU the copy runs on the engine's copy
+// workers. Return false with MXNet's error in `error`.
+
+std::vector<int64_t> shape_of(NDArrayHandle h) {
+  int ndim = 0;
+  const int64_t* dims = nullptr;
+  MXNDArrayGetShapeEx64(h, &ndim, &dims);
+  return ndim > 0 ? std::vector<int64_t>(dims, dims + ndim) : std::vector<int64_t>();
+}
+
+int64_t size_of(NDArrayHandle h) {
+  int64_t s = 1;
+  for (auto d : shape_of(h)) s *= d;
+  return s;
+}
+
+template <typename T> bool copy_in(NDArrayHandle h, int64_t size, std::vector<double>* out,
+                                   std::string* error) {
+  std::vector<T> buffer(size);
+  if (MXNDArraySyncCopyToCPU(h, buffer.data(), size) != 0) {
+    *error = MXGetLastError();
+    return false;
+  }
+  out->assign(buffer.begin(), buffer.end());
+  return true;
+}
+
+bool read_copy(NDArrayHandle h, std::vector<double>* out, std::string* error) {
+  int dtype = kFloat32;
+  MXNDArrayGetDType(h, &dtype);
+  const int64_t size = size_of(h);
+  switch (dtype) {
+    case kFloat32: return copy_in<float>(h, size, out, error);
+    case kFloat64: return copy_in<double>(h, size, out, error);
+    case kInt32: return copy_in<int32_t>(h, size, out, error);
+    case kInt64: return copy_in<int64_t>(h, size, out, error);
+  }
+  *error = "unexpected dtype flag " + std::to_string(dtype);
+  return false;
+}
+
+template <typename T> bool copy_out(NDArrayHandle h, const std::vector<double>& values,
+                                    std::string* error) {
+  std::vector<T> buffer(values.begin(), values.end());
+  if (MXNDArraySyncCopyFromCPU(h, buffer.data(), buffer.size()) != 0) {
+    *error = MXGetLastError();
+    return false;
+  }
+  return true;
+}
+
+// Store `values` (one per element) with request `req` (write or add).
+bool write_copy(NDArrayHandle h, std::vector<double> values, int req, std::string* error) {
+  if (req == kNull) return true;
+  if (req == kAddTo) {
+    std::vector<double> old;
+    if (!read_copy(h, &old, error)) return false;
+    for (size_t i = 0; i < values.size(); ++i) values[i] += old[i];
+  }
+  int dtype = kFloat32;
+  MXNDArrayGetDType(h, &dtype);
+  switch (dtype) {
+    case kFloat32: return copy_out<float>(h, values, error);
+    case kFloat64: return copy_out<double>(h, values, error);
+    case kInt32: return copy_out<int32_t>(h, values, error);
+    case kInt64: return copy_out<int64_t>(h, values, error);
+  }
+  *error = "unexpected dtype flag " + std::to_string(dtype);
+  return false;
+}
+
+// Queue a copy of `values` into `dst` (any device) behind every operation
+// already issued on it, without waiting: the `_copyto` operator, as
+// NDArray.copyto does. Used where the engine does not hold our write access.
+bool copy_async(NDArrayHandle dst, const std::vector<double>& values, std::string* error) {
+  int dtype = kFloat32;
+  MXNDArrayGetDType(dst, &dtype);
+  uint32_t shape[1] = {static_cast<uint32_t>(values.size())};
+  NDArrayHandle src = nullptr;
+  void* copyto = nullptr;
+  bool ok = NNGetOpHandle("_copyto", &copyto) == 0 &&
+            MXNDArrayCreateEx(shape, 1, 1, 0, 0, dtype, &src) == 0 &&
+            write_copy(src, values, 1, error);
+  if (ok) {
+    int num_out = 1;
+    NDArrayHandle outs[1] = {dst};
+    NDArrayHandle* out_ptr = outs;
+    ok = MXImperativeInvoke(copyto, 1, &src, &num_out, &out_ptr, 0, nullptr, nullptr) == 0;
+  }
+  if (!ok && error->empty()) *error = MXGetLastError();
+  if (src) MXNDArrayFree(src);  // the queued copy holds its own reference
+  return ok;
+}
+
+}  // namespace

@@ -1,0 +1,272 @@
+// The device operator: the synchronization step of a layer whose data stays
+// on its device (GPUs). MXNet's own operators compute the local moments on
+// the device (block.py); this operator gets only per-channel vectors, copies
+// them to the host, meets the other devices at the barrier, and copies back
+// the scale and shift that normalize the data, the same maths as op.py (the
+// Python operator) without Python:
+//
+//   forward:  m1, m2, v (local moments), shape --> FORWARD vector
+//             --barrier, call #k--> global mean/var --> scale, shift, INFO,
+//             running stats
+//   backward: d scale, d shift --> BACKWARD vector --barrier--> gradients of
+//             m2 and v (m1 is a constant), d gamma, d beta
+//
+// Every array goes through MXNet's copies (arrays.h), never raw memory, so
+// the same code runs on CPU contexts under GLUON_SYNCBN_DEVICE_PATH=1: that
+// is how CI tests it without a GPU.
+#pragma once
+#include <mxnet/c_api.h>
+
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "operator.h"
+
+namespace {
+
+// Arguments, outputs and auxiliary states, in op.py's order.
+enum { kMean, kResidual, kSqdev, kShape, kGamma, kBeta };
+enum { kScale, kShift, kInfo };
+
+// The local mean of each row statistic (rows, C): the block hands over one
+// value per (sample, channel) row, sums (row_sums) or means of equal rows.
+std::vector<double> local_mean(const std::vector<double>& rows, size_t C, double count,
+                               bool row_sums) {
+  std::vector<double> out(C, 0.0);
+  const size_t n_rows = rows.size() / C;
+  for (size_t r = 0; r < n_rows; ++r)
+    for (size_t c = 0; c < C; ++c) out[c] += rows[r * C + c];
+  for (auto& v : out) v /= row_sums ? count : static_cast<double>(n_rows);
+  return out;
+}
+
+double sample_count(const std::vector<double>& shape, size_t C) {
+  double size = 1;
+  for (double d : shape) size *= d;
+  return size / static_cast<double>(C);
+}
+
+int copy_failed(const Group& g, const std::string& error) {
+  return failed_call(), fail("SyncBatchNormError", "SyncBatchNorm '" + g.name +
+                             "': copying the statistics failed: " + error);
+}
+
+int device_forward(int size, void** ptrs, int* tags, const int* req, const int is_train,
+                   void* state) {
+  Handles h(size, ptrs, tags);
+  Op& op = *static_cast<Op*>(state);
+  const Params& p = op.params;
+  Group& g = *op.group;
+  const auto& in = h.by_tag[kInData];
+  std::vector<double> m1, m2_rows, v_rows, shape, gamma, beta, rmean, rvar;
+  std::string error;
+  if (!read_copy(in[kMean], &m1, &error) || !read_copy(in[kResidual], &m2_rows, &error) ||
+      !read_copy(in[kSqdev], &v_rows, &error) || !read_copy(in[kShape], &shape, &error) ||
+      !read_copy(in[kGamma], &gamma, &error) || !read_copy(in[kBeta], &beta, &error) ||
+      !read_copy(h.by_tag[kAux][0], &rmean, &error) ||
+      !read_copy(h.by_tag[kAux][1], &rvar, &error))
+    return copy_failed(g, error);
+  const size_t C = m1.size();
+  const double count = sample_count(shape, C);
+  Info stats;
+  if (!is_train) {  // predict mode inside a graph: the running statistics
+    stats.mean = rmean;
+    stats.var = rvar;
+  } else {
+    std::vector<double> m2 = local_mean(m2_rows, C, count, p.row_sums),
+                        v = local_mean(v_rows, C, count, p.row_sums), mean(C), var(C);
+    for (size_t c = 0; c < C; ++c) {
+      mean[c] = m1[c] + m2[c];
+      var[c] = std::max(v[c] - m2[c] * m2[c], 0.0);
+    }
+    uint64_t token;
+    int64_t call;
+    std::vector<double> total;
+    if (!number_call(g, op.device, p.static_shape, op.token, &token, &call) ||
+        !exchange(g, Key(0, token, call), op.device, pack_forward(count, mean, var),
+                  p.dtype_name, &total, &error))
+      return failed_call();
+    unpack_forward(total, &stats.n, &stats.mean, &stats.var);
+    stats.token = static_cast<double>(token);
+    stats.call = static_cast<double>(call);
+    for (size_t c = 0; c < C; ++c) {
+      rmean[c] = rmean[c] * p.momentum + stats.mean[c] * (1.0 - p.momentum);
+      rvar[c] = rvar[c] * p.momentum + stats.var[c] * (1.0 - p.momentum);
+    }
+    bool ok;
+    if (p.static_shape && g.running.size() == g.devices.size()) {
+      // Read-only auxiliary states (see host_op.h): queue copies into the
+      // Parameter's own arrays, ordered after their readers.
+      ok = copy_async(g.running[op.device][0], rmean, &error) &&
+           copy_async(g.running[op.device][1], rvar, &error);
+    } else {
+      ok = write_copy(h.by_tag[kAux][0], rmean, 1, &error) &&
+           write_copy(h.by_tag[kAux][1], rvar, 1, &error);
+    }
+    if (!ok) return copy_failed(g, error);
+  }
+  std::vector<double> scale(C), shift(C);
+  for (size_t c = 0; c < C; ++c) {
+    double inv_std = 1.0 / std::sqrt(stats.var[c] + p.eps);
+    scale[c] = (p.fix_gamma ? 1.0 : gamma[c]) * inv_std;
+    // Centred on m1: the large offset never meets the data again.
+    shift[c] = beta[c] - (stats.mean[c] - m1[c]) * scale[c];
+  }
+  const auto& out = h.by_tag[kOutData];
+  if (!write_copy(out[kScale], scale, req[kScale], &error) ||
+      !write_copy(out[kShift], shift, req[kShift], &error) ||
+      !write_copy(out[kInfo], pack_info(stats), req[kInfo], &error))
+    return copy_failed(g, error);
+  return 1;
+}
+
+// A row statistic's gradient: that of the local mean, spread over the rows.
+std::vector<double> rows_grad(const std::vector<double>& grad, int64_t size, double count,
+                              bool row_sums) {
+  const size_t C = grad.size(), n_rows = static_cast<size_t>(size) / C;
+  std::vector<double> out(n_rows * C);
+  for (size_t r = 0; r < n_rows; ++r)
+    for (size_t c = 0; c < C; ++c)
+      out[r * C + c] = grad[c] / (row_sums ? count : static_cast<double>(n_rows));
+  return out;
+}
+
+int device_backward(int size, void** ptrs, int* tags, const int* req, const int,
+                    void* state) {
+  Handles h(size, ptrs, tags);
+  Op& op = *static_cast<Op*>(state);
+  const Params& p = op.params;
+  Group& g = *op.group;
+  // Declared dependencies (see device_bwd_dep): d scale, d shift, m1, shape,
+  // gamma and the info output.
+  const auto& in = h.by_tag[kInData];
+  const auto& grads = h.by_tag[kInGrad];
+  std::vector<double> packed, m1, shape, gamma, d_scale, d_shift;
+  std::string error;
+  if (!read_copy(h.by_tag[kOutData][kInfo], &packed, &error) ||
+      !read_copy(in[kMean], &m1, &error) || !read_copy(in[kShape], &shape, &error) ||
+      !read_copy(in[kGamma], &gamma, &error) ||
+      !read_copy(h.by_tag[kOutGrad][kScale], &d_scale, &error) ||
+      !read_copy(h.by_tag[kOutGrad][kShift], &d_shift, &error))
+    return copy_failed(g, error);
+  const Info stats = unpack_info(packed);
+  if (stats.call < 0)
+    return failed_call(), fail("SyncBatchNormError", "SyncBatchNorm '" + g.name + "': backward "
+                               "through a call made in inference mode; record the forward "
+                               "pass under autograd.record() (train_mode=True).");
+  if (!backward_current(p.static_shape, op.token)) return failed_call();
+  const size_t C = m1.size();
+  const double count = sample_count(shape, C);
+  std::vector<double> inv_std(C), sum_dy_xc(C), d_gamma(C);
+  for (size_t c = 0; c < C; ++c) {
+    if (p.fix_gamma) gamma[c] = 1.0;
+    inv_std[c] = 1.0 / std::sqrt(stats.var[c] + p.eps);
+    sum_dy_xc[c] = d_scale[c] - d_shift[c] * (stats.mean[c] - m1[c]);  // sum dy*(x - mean)
+    d_gamma[c] = p.fix_gamma ? 0.0 : sum_dy_xc[c] * inv_std[c];
+  }
+  std::vector<double> total;
+  const Key key(1, static_cast<uint64_t>(stats.token), static_cast<int64_t>(stats.call));
+  if (!exchange(g, key, op.device, pack_backward(d_shift, sum_dy_xc), p.dtype_name, &total,
+                &error))
+    return failed_call();
+  // Through the global mean and variance to this device's m2 and v.
+  std::vector<double> d_m2(C), d_v(C);
+  const double w = count / stats.n;
+  for (size_t c = 0; c < C; ++c) {
+    double g_delta = -total[c] * gamma[c] * inv_std[c];
+    double g_var = -0.5 * total[C + c] * gamma[c] * std::pow(inv_std[c], 3);
+    d_m2[c] = g_delta * w + g_var * 2.0 * w * (m1[c] - stats.mean[c]);
+    d_v[c] = g_var * w;
+  }
+  const std::vector<double> zeros_mean(C, 0.0), zeros_shape(shape.size(), 0.0);
+  if (!write_copy(grads[kMean], zeros_mean, req[kMean], &error) ||  // m1 is a constant
+      !write_copy(grads[kResidual],
+                  rows_grad(d_m2, size_of(grads[kResidual]), count, p.row_sums),
+                  req[kResidual], &error) ||
+      !write_copy(grads[kSqdev], rows_grad(d_v, size_of(grads[kSqdev]), count, p.row_sums),
+                  req[kSqdev], &error) ||
+      !write_copy(grads[kShape], zeros_shape, req[kShape], &error) ||
+      !write_copy(grads[kGamma], d_gamma, req[kGamma], &error) ||
+      !write_copy(grads[kBeta], d_shift, req[kBeta], &error))  // d beta = sum dy
+    return copy_failed(g, error);
+  return 1;
+}
+
+// --------------------------------------------------------------- property --
+
+const char* DEVICE_ARGS[] = {"mean", "residual", "sqdev", "shape", "gamma", "beta", nullptr};
+const char* DEVICE_OUTS[] = {"scale", "shift", "info", nullptr};
+const char* DEVICE_AUXS[] = {"running_mean", "running_var", nullptr};
+
+// Order of shapes: the 6 arguments | scale, shift, info | running_mean, running_var.
+int device_infer_shape(int num, int* ndims, int** shapes, void* state) {
+  Prop& p = *static_cast<Prop*>(state);
+  std::string error;
+  auto group = find_group(p.params.group_id, &error);
+  if (!group) return fail("SyncBatchNormError", error);
+  if (ndims[kMean] <= 0) return 1;  // not known yet
+  int channels = 1;
+  for (int i = 0; i < ndims[kMean]; ++i) channels *= shapes[kMean][i];
+  const int ndim = ndims[kShape] == 1 ? shapes[kShape][0] : 0;
+  if (ndim > 0 && (ndim < 2 || ndim > 5))
+    return fail("SyncBatchNormError", "SyncBatchNorm '" + group->name + "' expects input of 2 "
+                "to 5 dimensions, got " + std::to_string(ndim) + ". Reshape the input, e.g. "
+                "to (N, C, L).");
+  const char* names[] = {"", "", "", "", "gamma", "beta", "", "", "", "running_mean",
+                         "running_var"};
+  for (int i : {4, 5, 9, 10}) {
+    if (i >= num || ndims[i] <= 0) continue;
+    int given = 1;
+    for (int k = 0; k < ndims[i]; ++k) given *= shapes[i][k];
+    if (given > 0 && given != channels)
+      return fail("SyncBatchNormError", "SyncBatchNorm '" + group->name + "': input has " +
+                  std::to_string(channels) + " channels on axis " +
+                  std::to_string(p.params.axis) + " but " + names[i] + " has " +
+                  std::to_string(given) + " elements. Set in_channels=" +
+                  std::to_string(channels) + " or feed " + std::to_string(given) +
+                  " channels.");
+  }
+  p.shape_buffer[0].assign(1, channels);
+  p.shape_buffer[1].assign(shapes[kMean], shapes[kMean] + ndims[kMean]);
+  p.shape_buffer[2].assign(1, kInfoHead + 2 * channels);  // INFO
+  for (int i : {4, 5, 9, 10}) { ndims[i] = 1; shapes[i] = p.shape_buffer[0].data(); }
+  for (int i : {6, 7}) { ndims[i] = ndims[kMean]; shapes[i] = p.shape_buffer[1].data(); }
+  ndims[8] = 1; shapes[8] = p.shape_buffer[2].data();
+  return 1;
+}
+
+int device_infer_type(int, int* types, void* state) {
+  if (types[kMean] == kFloat16)
+    return fail("SyncBatchNormError", "SyncBatchNorm '" +
+                layer_name(static_cast<Prop*>(state)->params) + "' got float16 statistics "
+                "inside a hybridized graph: call net.cast('float16') so the layer knows to "
+                "compute its statistics in float32.");
+  const int stat = types[kMean] >= 0 ? types[kMean] : kFloat32;
+  const int param = types[kGamma] >= 0 ? types[kGamma] : kFloat32;
+  types[kMean] = types[kResidual] = types[kSqdev] = stat;
+  types[kShape] = kInt64;
+  types[kGamma] = types[kBeta] = types[9] = types[10] = param;
+  types[6] = types[7] = stat;
+  types[8] = kFloat64;
+  return 1;
+}
+
+int device_bwd_dep(const int* out_grad, const int* in_data, const int* out_data, int* num,
+                   int** deps, void*) {
+  static thread_local int buffer[6];
+  buffer[0] = out_grad[kScale];
+  buffer[1] = out_grad[kShift];
+  buffer[2] = in_data[kMean];
+  buffer[3] = in_data[kShape];
+  buffer[4] = in_data[kGamma];
+  buffer[5] = out_data[kInfo];
+  *num = 6;
+  *deps = buffer;
+  return 1;
+}
+
+const OpType DEVICE_OP = {DEVICE_ARGS, DEVICE_OUTS, DEVICE_AUXS, device_infer_shape,
+                          device_infer_type, device_bwd_dep, device_forward, device_backward};
+
+}  // namespace

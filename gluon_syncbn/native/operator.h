@@ -1,0 +1,183 @@
+// What the two native operators share: their string arguments, the state of
+// one operator instance (one device's call, or one device's graph node in a
+// static graph), and the property callbacks MXNet calls on the main thread
+// (names, shapes, types, dependencies, and creating instances).
+#pragma once
+#include <mxnet/c_api.h>
+
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "arrays.h"
+#include "session.h"
+
+namespace {
+
+// The operator's string arguments, as the block passes them to F.Custom.
+struct Params {
+  std::string group_id, dtype_name = "float32";
+  double eps = 1e-5, momentum = 0.9;
+  bool fix_gamma = false, static_shape = false, row_sums = false;
+  int axis = 1;
+};
+
+Params parse_params(int num, const char** keys, const char** values) {
+  Params p;
+  for (int i = 0; i < num; ++i) {
+    std::string key = keys[i], value = values[i];
+    bool yes = value == "True" || value == "true" || value == "1";
+    if (key == "group") p.group_id = value;
+    else if (key == "eps") p.eps = std::stod(value);
+    else if (key == "momentum") p.momentum = std::stod(value);
+    else if (key == "fix_gamma") p.fix_gamma = yes;
+    else if (key == "static_shape") p.static_shape = yes;
+    else if (key == "row_sums") p.row_sums = yes;
+    else if (key == "axis") p.axis = std::stoi(value);
+    else if (key == "input_dtype") p.dtype_name = value;
+  }
+  return p;
+}
+
+// One operator instance: its arguments, its group and device, and the step it
+// was issued in (unused in static graphs, whose instances outlive steps).
+struct Op {
+  Params params;
+  std::shared_ptr<Group> group;
+  int device;
+  uint64_t token;
+  Fn callbacks[3];
+  void* contexts[3];
+};
+
+struct Handles {  // the callback's arrays by tag, freed when it returns
+  std::vector<NDArrayHandle> by_tag[5];
+  int size;
+  void** ptrs;
+  Handles(int n, void** p, const int* tags) : size(n), ptrs(p) {
+    for (int i = 0; i < n; ++i) by_tag[tags[i]].push_back(p[i]);
+  }
+  ~Handles() { for (int i = 0; i < size; ++i) MXNDArrayFree(ptrs[i]); }
+};
+
+typedef int (*FBFunc)(int, void**, int*, const int*, const int, void*);
+
+// The callbacks of one operator type (see host_op.h and device_op.h).
+struct OpType {
+  const char** args;
+  const char** outs;
+  const char** auxs;
+  int (*infer_shape)(int, int*, int**, void*);
+  int (*infer_type)(int, int*, void*);
+  int (*bwd_dep)(const int*, const int*, const int*, int*, int**, void*);
+  FBFunc forward, backward;
+};
+
+// MXNet keeps one property per graph node; it hands back shapes through
+// pointers that must outlive the call, hence the buffers.
+struct Prop {
+  Params params;
+  const OpType* type;
+  std::vector<int> shape_buffer[3];
+  Fn callbacks[10];
+  void* contexts[10];
+};
+
+std::string layer_name(const Params& p) {
+  std::string error;
+  auto group = find_group(p.group_id, &error);
+  return group ? group->name : p.group_id;
+}
+
+int list_args(char*** out, void* s) {
+  *out = const_cast<char**>(static_cast<Prop*>(s)->type->args);
+  return 1;
+}
+int list_outs(char*** out, void* s) {
+  *out = const_cast<char**>(static_cast<Prop*>(s)->type->outs);
+  return 1;
+}
+int list_auxs(char*** out, void* s) {
+  *out = const_cast<char**>(static_cast<Prop*>(s)->type->auxs);
+  return 1;
+}
+int infer_shape(int num, int* ndims, int** shapes, void* s) {
+  return static_cast<Prop*>(s)->type->infer_shape(num, ndims, shapes, s);
+}
+int infer_type(int num, int* types, void* s) {
+  return static_cast<Prop*>(s)->type->infer_type(num, types, s);
+}
+int bwd_dep(const int* out_grad, const int* in_data, const int* out_data, int* num,
+            int** deps, void* s) {
+  return static_cast<Prop*>(s)->type->bwd_dep(out_grad, in_data, out_data, num, deps, s);
+}
+
+int infer_stype(int num, int* stypes, void*) {
+  for (int i = 0; i < num; ++i) stypes[i] = 0;  // default storage only
+  return 1;
+}
+
+int infer_stype_backward(int num, int* stypes, int*, void*) {
+  for (int i = 0; i < num; ++i) stypes[i] = 0;
+  return 1;
+}
+
+int op_delete(void* state) { delete static_cast<Op*>(state); return 1; }
+
+// One instance per device and call (per graph node in static graphs), created
+// on the main thread when the call is issued.
+int create_operator(const char* ctx, int, unsigned**, const int*, const int*,
+                    MXCallbackList* ret, void* state) {
+  Prop& p = *static_cast<Prop*>(state);
+  std::string error;
+  auto group = find_group(p.params.group_id, &error);
+  if (!group) return fail("SyncBatchNormError", error);
+  int device = -1;
+  for (size_t i = 0; i < group->devices.size(); ++i)
+    if (group->devices[i] == ctx) device = static_cast<int>(i);
+  if (device < 0)
+    return fail("SyncBatchNormError", "SyncBatchNorm '" + group->name + "' was called on " +
+                ctx + ", but its parameters live on " + join(group->devices) +
+                ". Initialize the network on every context you feed.");
+  Op* op = new Op();
+  op->params = p.params;
+  op->group = group;
+  op->device = device;
+  {
+    std::lock_guard<std::mutex> lock(g_mutex);
+    // Issued now (imperative and dynamic graphs). A call issued after an abort
+    // but before the next step begins belongs to the failed step.
+    op->token = g_issue_token;
+  }
+  op->callbacks[0] = reinterpret_cast<Fn>(op_delete);
+  op->callbacks[1] = reinterpret_cast<Fn>(p.type->forward);
+  op->callbacks[2] = reinterpret_cast<Fn>(p.type->backward);
+  for (auto& c : op->contexts) c = op;
+  ret->num_callbacks = 3;
+  ret->callbacks = op->callbacks;
+  ret->contexts = op->contexts;
+  return 1;
+}
+
+int prop_delete(void* state) { delete static_cast<Prop*>(state); return 1; }
+
+// A property for one graph node of operator type `type`.
+int create_prop(const OpType* type, int num_kwargs, const char** keys, const char** values,
+                MXCallbackList* ret) {
+  Prop* p = new Prop();
+  p->params = parse_params(num_kwargs, keys, values);
+  p->type = type;
+  Fn fns[10] = {reinterpret_cast<Fn>(prop_delete), reinterpret_cast<Fn>(list_args),
+                reinterpret_cast<Fn>(list_outs), reinterpret_cast<Fn>(list_auxs),
+                reinterpret_cast<Fn>(infer_shape), reinterpret_cast<Fn>(bwd_dep),
+                reinterpret_cast<Fn>(create_operator), reinterpret_cast<Fn>(infer_type),
+                reinterpret_cast<Fn>(infer_stype), reinterpret_cast<Fn>(infer_stype_backward)};
+  for (int i = 0; i < 10; ++i) { p->callbacks[i] = fns[i]; p->contexts[i] = p; }
+  ret->num_callbacks = 10;
+  ret->callbacks = p->callbacks;
+  ret->contexts = p->contexts;
+  return 1;
+}
+
+}  // namespace

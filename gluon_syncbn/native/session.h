@@ -1,0 +1,248 @@
+// The session and the call-order barrier of the native operators: which step
+// a call belongs to, how the k-th calls of the devices meet, and how a step
+// fails. Shared by host_op.h and device_op.h; included once, by syncbn.cc.
+#pragma once
+#include <mxnet/c_api.h>
+
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <deque>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <tuple>
+#include <vector>
+
+#include "wire.h"
+
+namespace {
+
+// ---------------------------------------------------------------- session --
+// Shared by every layer of the process: the current step's token, the cause of
+// the last abort, and failures waiting to be reported to Python.
+
+struct Exchange;
+struct Group;
+
+std::mutex g_mutex;  // guards every structure below and every Group
+uint64_t g_token = 0;        // the current step; advanced by every abort
+uint64_t g_issue_token = 0;  // what calls issued now get: g_token as of the step's start
+std::string g_cause = "";
+std::deque<std::string> g_errors;  // "Kind\tmessage", oldest first
+std::map<std::string, std::shared_ptr<Group>> g_groups;
+
+void record_locked(const std::string& kind, const std::string& message) {
+  std::string entry = kind + "\t" + message;
+  for (const auto& e : g_errors) if (e == entry) return;
+  if (g_errors.size() >= 8) g_errors.pop_front();
+  g_errors.push_back(entry);
+}
+
+struct Exchange {
+  uint64_t token;
+  std::vector<std::vector<double>> values;  // one vector per device
+  std::vector<std::string> dtypes;
+  int arrived = 0, taken = 0;
+  bool done = false;
+  std::string error, kind;                  // non-empty: failed with this cause
+  std::vector<double> result;
+  std::condition_variable cv;
+  Exchange(uint64_t t, int n) : token(t), values(n), dtypes(n) {}
+};
+
+typedef std::tuple<int, uint64_t, int64_t> Key;  // (0 fwd / 1 bwd, token, call number)
+
+struct Group {
+  std::string name, hint;
+  std::vector<std::string> devices;
+  double timeout;
+  uint64_t counter_token = 0;
+  std::vector<int64_t> next_call;
+  std::map<Key, std::shared_ptr<Exchange>> exchanges;
+  // static_shape graphs only: each device's running mean and variance arrays
+  // (the Parameter's own NDArrays, kept alive by the Python group).
+  std::vector<std::vector<NDArrayHandle>> running;
+};
+
+// Fail every waiting exchange: the step is over (lock held).
+void abort_locked(const std::string& cause, const std::string& kind = "SyncBatchNormError") {
+  ++g_token;
+  g_cause = cause;
+  for (auto& g : g_groups)
+    for (auto& e : g.second->exchanges)
+      if (!e.second->done && e.second->error.empty()) {
+        e.second->error = cause;
+        e.second->kind = kind;
+        e.second->cv.notify_all();
+      }
+}
+
+std::string stale_message() {
+  return "this SyncBatchNorm call belongs to a step that failed earlier: " + g_cause;
+}
+
+std::string join(const std::vector<std::string>& items, const std::vector<int>& which) {
+  std::string out;
+  for (int i : which) out += (out.empty() ? "" : ", ") + items[i];
+  return out;
+}
+
+std::string join(const std::vector<std::string>& items) {
+  std::string out;
+  for (const auto& item : items) out += (out.empty() ? "" : ", ") + item;
+  return out;
+}
+
+// ---------------------------------------------------------------- barrier --
+// The k-th call of a layer on each device meets the k-th call on the others.
+// The last device to arrive checks that they agree and sums their vectors in
+// device order (the same rounding whatever the arrival order). Every wait ends
+// at the layer's timeout. Returns false with `error` set on failure.
+
+bool exchange(Group& g, const Key& key, int device, std::vector<double> value,
+              const std::string& dtype, std::vector<double>* result, std::string* error) {
+  auto deadline = std::chrono::steady_clock::now() +
+                  std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                      std::chrono::duration<double>(g.timeout));
+  std::unique_lock<std::mutex> lock(g_mutex);
+  if (std::get<1>(key) != g_token) {
+    *error = stale_message();
+    record_locked("SyncBatchNormError", *error);
+    return false;
+  }
+  const int n = static_cast<int>(g.devices.size());
+  auto& slot = g.exchanges[key];
+  if (!slot) slot = std::make_shared<Exchange>(std::get<1>(key), n);
+  std::shared_ptr<Exchange> ex = slot;
+  ex->values[device] = std::move(value);
+  ex->dtypes[device] = dtype;
+  std::string failure, kind = "SyncBatchNormError";
+  if (++ex->arrived == n && ex->error.empty()) {
+    size_t size = ex->values[0].size();
+    bool same_size = true, same_dtype = true;
+    for (int i = 1; i < n; ++i) {
+      same_size = same_size && ex->values[i].size() == size;
+      same_dtype = same_dtype && ex->dtypes[i] == ex->dtypes[0];
+    }
+    if (!same_size || !same_dtype) {
+      std::string what;
+      for (int i = 0; i < n; ++i) {
+        size_t s = ex->values[i].size();
+        size_t channels = std::get<0>(key) == 0 ? forward_channels(s) : backward_channels(s);
+        what += (i ? ", " : "") + g.devices[i] + ": " +
+                (same_size ? ex->dtypes[i] : std::to_string(channels));
+      }
+      failure = same_size
+          ? "SyncBatchNorm '" + g.name + "': devices disagree on the input dtype: " + what +
+                ". Cast every slice to the same dtype."
+          : "SyncBatchNorm '" + g.name + "': devices disagree on the channel count: " + what +
+                ". Every device must feed the same number of channels.";
+    } else {
+      ex->result.assign(size, 0.0);
+      for (int i = 0; i < n; ++i)
+        for (size_t j = 0; j < size; ++j) ex->result[j] += ex->values[i][j];
+      ex->done = true;
+      ex->cv.notify_all();
+    }
+  }
+  while (failure.empty() && !ex->done && ex->error.empty()) {
+    if (ex->cv.wait_until(lock, deadline) == std::cv_status::timeout &&
+        !ex->done && ex->error.empty()) {
+      std::vector<int> arrived, missing;
+      for (int i = 0; i < n; ++i) (ex->values[i].empty() ? missing : arrived).push_back(i);
+      char head[256];
+      std::snprintf(head, sizeof(head), "only %d of %d devices (", ex->arrived, n);
+      failure = "SyncBatchNorm '" + g.name + "': " + head + join(g.devices, arrived) +
+                ") reached " + (std::get<0>(key) == 0 ? "forward" : "backward") + " call #" +
+                std::to_string(std::get<2>(key)) + " within " + std::to_string(g.timeout) +
+                "s; missing: " + join(g.devices, missing) + ". " + g.hint;
+      kind = "SyncBatchNormTimeout";
+    }
+  }
+  if (!failure.empty()) {
+    abort_locked(failure, kind);  // this exchange and every other waiting call of the step
+  }
+  // A failed exchange stays until every device has passed it, so a late
+  // device fails at once instead of waiting.
+  if (++ex->taken == n) {
+    auto it = g.exchanges.find(key);
+    if (it != g.exchanges.end() && it->second == ex) g.exchanges.erase(it);
+  }
+  if (!ex->error.empty()) {
+    record_locked(ex->kind, ex->error);  // each device's MXNetError names the cause
+    *error = ex->error;
+    return false;
+  }
+  *result = ex->result;
+  return true;
+}
+
+
+int fail(const std::string& kind, const std::string& message) {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  record_locked(kind, message);
+  return 0;  // MXNet raises its generic custom-op error; Python appends ours
+}
+
+// What a forward/backward callback returns when its call failed. MXNet 1.9.1
+// keeps a failed custom operator's exception in one process-wide slot until
+// an engine operation rethrows it, so two failures at the same moment can
+// swap or lose their errors (and one can land on a healthy call). Failing
+// calls of one step arrive together; spacing their returns 100 ms apart lets
+// each error reach its own operation first (20 ms was not enough on a loaded
+// 2-core machine).
+int failed_call() {
+  static std::mutex spacing;
+  static auto last = std::chrono::steady_clock::time_point();
+  std::lock_guard<std::mutex> lock(spacing);
+  auto next = last + std::chrono::milliseconds(100);
+  if (std::chrono::steady_clock::now() < next) std::this_thread::sleep_until(next);
+  last = std::chrono::steady_clock::now();
+  return 0;
+}
+
+std::shared_ptr<Group> find_group(const std::string& id, std::string* error) {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  auto it = g_groups.find(id);
+  if (it != g_groups.end()) return it->second;
+  *error = "SyncBatchNorm group '" + id + "' is unknown: the layer was deleted or its graph "
+           "was loaded into another process. Use revert_model() before export.";
+  return nullptr;
+}
+
+// Numbers a forward call of `device`: sets its step token and call number, or
+// returns false (error recorded) for a call of a step that failed earlier.
+// `issued` is the token the call got when it was issued; static graphs create
+// their operators once, so there the current token is the call's.
+bool number_call(Group& g, int device, bool static_graph, uint64_t issued, uint64_t* token,
+                 int64_t* call) {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  *token = static_graph ? g_token : issued;
+  if (*token != g_token) {
+    record_locked("SyncBatchNormError", stale_message());
+    return false;
+  }
+  if (*token != g.counter_token) {
+    g.counter_token = *token;
+    g.next_call.assign(g.devices.size(), 0);
+  }
+  *call = g.next_call[device]++;
+  return true;
+}
+
+// False (error recorded) if a backward call issued with `issued` belongs to a
+// step that failed since.
+bool backward_current(bool static_graph, uint64_t issued) {
+  if (static_graph) return true;
+  std::lock_guard<std::mutex> lock(g_mutex);
+  if (issued == g_token) return true;
+  record_locked("SyncBatchNormError", stale_message());
+  return false;
+}
+
+}  // namespace

@@ -1,0 +1,87 @@
+"""The numbers that leave one device's call, named once.
+
+Every vector is float64 and ``C`` is the channel count.
+
+``FORWARD``  ``[n, n*mean (C), n*(var + mean**2) (C)]``
+    one device's (or worker's) batch statistics; summing these over devices
+    merges the statistics exactly (Chan's formula written as sums).
+``BACKWARD`` ``[sum dy (C), sum dy*(x - mean) (C)]``
+    with the global ``mean``; summed over devices they give the two means of
+    the backward formula.
+``INFO``     ``[token, call, n, mean (C), var (C)]``
+    the operators' ``info`` output: the step and call number the forward call
+    had (its backward pairs by them) and the global statistics. ``call < 0``
+    marks a call made in inference mode.
+``CHECKED``  ``[channels, call, vector...]``
+    a vector sent to other workers; the two check numbers are summed with it,
+    and must come back as ``workers * (channels, call)``.
+
+``native/wire.h`` packs and unpacks the same layouts for the native operators.
+"""
+import numpy as np
+
+__all__ = ['forward_size', 'backward_size', 'pack_forward', 'unpack_forward', 'pack_backward', 'unpack_backward',
+           'pack_info', 'unpack_info', 'info_size', 'pack_checked', 'unpack_checked',
+           'channels_of']
+
+INFO_HEAD = 3  # token, call, n
+CHECKS = 2     # channels, call
+
+
+def forward_size(channels):
+    return 1 + 2 * channels
+
+
+def backward_size(channels):
+    return 2 * channels
+
+
+def pack_forward(count, mean, var):
+    """``FORWARD`` for ``count`` samples per channel of mean ``mean``, variance ``var``."""
+    return np.concatenate(([float(count)], count * mean, count * (var + mean * mean)))
+
+
+def unpack_forward(total):
+    """``(n, sum x / n, sum x**2 / n)`` from a summed ``FORWARD`` vector."""
+    channels = (total.size - 1) // 2
+    n = total[0]
+    return n, total[1:1 + channels] / n, total[1 + channels:] / n
+
+
+def pack_backward(sum_dy, sum_dy_xc):
+    return np.concatenate((sum_dy, sum_dy_xc))
+
+
+def unpack_backward(total):
+    """``(sum dy, sum dy*(x - mean))`` from a summed ``BACKWARD`` vector."""
+    channels = total.size // 2
+    return total[:channels], total[channels:]
+
+
+def info_size(channels):
+    return INFO_HEAD + 2 * channels
+
+
+def pack_info(token, call, n, mean, var):
+    return np.concatenate(([float(token), float(call), float(n)], mean, var))
+
+
+def unpack_info(info):
+    """``(token, call, n, mean, var)``; token and call as ints."""
+    channels = (info.size - INFO_HEAD) // 2
+    return (int(info[0]), int(info[1]), info[2], info[INFO_HEAD:INFO_HEAD + channels],
+            info[INFO_HEAD + channels:])
+
+
+def channels_of(direction, vector):
+    """Channels of a ``FORWARD`` (``direction='fwd'``) or ``BACKWARD`` vector."""
+    return (len(vector) - 1) // 2 if direction == 'fwd' else len(vector) // 2
+
+
+def pack_checked(channels, call, vector):
+    return np.concatenate(([float(channels), float(call)], np.asarray(vector, np.float64)))
+
+
+def unpack_checked(total):
+    """``(checks, vector)`` of a summed ``CHECKED`` vector."""
+    return total[:CHECKS], total[CHECKS:]
