@@ -14,6 +14,11 @@ alone beside plain in a fresh process, so the others still get their numbers.
     python benchmarks/bench_overhead.py                 # N = 2, 4, 8 -> results_overhead.md
     python benchmarks/bench_overhead.py --n 2 --steps 10
     python benchmarks/bench_overhead.py --operator python --out results_overhead_python
+    python benchmarks/bench_overhead.py --n 2 --operator native-device --out results_overhead_device
+
+``--operator native-device`` / ``python-device`` run CPU contexts down the path
+GPUs take (``GLUON_SYNCBN_DEVICE_PATH=1``: MXNet's operators compute the local
+moments, the device operator exchanges vectors): the host cost of the GPU path.
 """
 import argparse
 import json
@@ -82,7 +87,9 @@ def measure(n, hybridize, args):
     """Median step times for every variant of one (N, mode), or why there are none."""
     cfg = dict(n=n, hybridize=hybridize, steps=args.steps, warmup=args.warmup,
                sync_timeout=args.sync_timeout, variants=list(VARIANTS))
-    env = dict(os.environ, GLUON_SYNCBN_OPERATOR=args.operator)
+    operator, _, device = args.operator.partition('-')
+    env = dict(os.environ, GLUON_SYNCBN_OPERATOR=operator,
+               GLUON_SYNCBN_DEVICE_PATH='1' if device else '0')
     res = run_worker('worker', cfg, args.deadline, module='bench_overhead', env=env)
     if isinstance(res, dict):
         return res
@@ -127,8 +134,10 @@ def main():
     parser.add_argument('--sync-timeout', type=float, default=30.0,
                         help="gluon_syncbn's timeout: how soon a deadlock is reported")
     parser.add_argument('--deadline', type=float, default=240.0, help='per process, seconds')
-    parser.add_argument('--operator', default='native', choices=['native', 'python'],
-                        help="gluon_syncbn's operator (GLUON_SYNCBN_OPERATOR)")
+    parser.add_argument('--operator', default='native',
+                        choices=['native', 'python', 'native-device', 'python-device'],
+                        help="gluon_syncbn's operator (GLUON_SYNCBN_OPERATOR), and '-device' "
+                             "for the GPU path (GLUON_SYNCBN_DEVICE_PATH=1)")
     parser.add_argument('--out', default=os.path.join(HERE, 'results_overhead'))
     args = parser.parse_args()
     lines = ['Measured %s, MXNet 1.9.1 CPU wheel, %s CPUs, CPU contexts, gluon_syncbn\'s %s '

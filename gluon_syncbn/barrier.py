@@ -2,8 +2,10 @@
 
 The k-th training call of a layer on each device belongs with the k-th call on
 every other device. :class:`CallOrderBarrier` numbers each device's forward
-calls, gathers one contribution per device for each number, combines them once
-(the last device to arrive does the work) and hands the same result to all.
+calls, gathers one contribution per device for each number, reduces them once
+with the function the caller passes (the last device to arrive does the work;
+for a layer, ``SyncGroup.reduce``: a sum, then the transport) and hands the
+same result to all.
 Backward exchanges use the key of the forward call they belong to, so they pair
 correctly even when devices run their backward passes in different orders.
 
@@ -16,9 +18,7 @@ Nothing here knows about MXNet: the barrier is tested with plain threads.
 
 Failure rules (every wait is bounded):
 
-* a device that arrives with an error (``error=``) fails that exchange for all
-  devices at once, with that cause;
-* if ``combine`` raises, every device of the exchange gets that exception;
+* if ``reduce`` raises, every device of the exchange gets that exception;
 * if not all devices arrive within ``timeout`` seconds, the devices that did
   arrive get :class:`SyncBatchNormTimeout` naming the missing ones;
 * any of these aborts the step in the session: every other waiting or
@@ -68,10 +68,6 @@ class CallOrderBarrier(object):
         Layer name, used in error messages.
     devices : list of str
         Names of the participating devices; ``device`` arguments index this list.
-    combine : callable
-        ``combine(key, values)`` gets ``{device_index: value}`` with one entry per
-        device and returns the result handed to every device. It runs once per
-        exchange, on the thread of the last device to arrive.
     timeout : float
         Seconds a device waits for the others before giving up.
     hint : str, optional
@@ -84,11 +80,10 @@ class CallOrderBarrier(object):
         ``fail_others(error)`` (called after the lock is released).
     """
 
-    def __init__(self, name, devices, combine, timeout, hint='', session=None):
+    def __init__(self, name, devices, timeout, hint='', session=None):
         self.name = name
         self.devices = list(devices)
         self.num_devices = len(self.devices)
-        self.combine = combine
         self.timeout = float(timeout)
         self.hint = hint
         self.session = session or LocalSession()
@@ -116,16 +111,19 @@ class CallOrderBarrier(object):
             self._next_call[device] = k + 1
             return ('fwd', token, k)
 
-    def exchange(self, key, device, value=None, error=None, token=None):
-        """Contribute ``value`` (or ``error``) for ``key``; return the combined result.
+    def exchange(self, key, device, value, reduce, token=None):
+        """Contribute ``value`` for ``key``; return the reduced result.
 
-        ``token`` is the step the call was issued in (None: unknown).
+        ``reduce(key, values)`` gets ``{device_index: value}`` with one entry
+        per device and returns the result handed to every device; it runs once
+        per exchange, on the thread of the last device to arrive. ``token`` is
+        the step the call was issued in (None: unknown).
 
         Raises
         ------
         SyncBatchNormError
-            The exchange failed: a device arrived with an error, ``combine``
-            raised, the call belongs to an aborted step, or the timeout passed.
+            The exchange failed: ``reduce`` raised, the call belongs to an
+            aborted step, or the timeout passed.
         """
         deadline = time.monotonic() + self.timeout
         failure = None  # set when this thread is the one that fails the step
@@ -139,11 +137,9 @@ class CallOrderBarrier(object):
                     "SyncBatchNorm '%s': device %s called %s twice; this is a bug in "
                     "gluon_syncbn, please report it." % (self.name, self.devices[device], key))
             ex.values[device] = value
-            if ex.error is None and error is not None:
-                failure = error
-            elif ex.error is None and len(ex.values) == self.num_devices:
+            if ex.error is None and len(ex.values) == self.num_devices:
                 try:
-                    ex.result = self.combine(key, ex.values)
+                    ex.result = reduce(key, ex.values)
                 except Exception as exc:  # pylint: disable=broad-except
                     failure = exc
                 self._cond.notify_all()

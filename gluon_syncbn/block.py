@@ -6,6 +6,7 @@ import numpy as np
 from mxnet import autograd
 from mxnet.gluon import HybridBlock
 from mxnet.gluon.parameter import DeferredInitializationError
+from mxnet.util import is_np_array
 
 from . import native
 from . import op as _op
@@ -287,6 +288,15 @@ class SyncBatchNorm(HybridBlock):
                                      channels))
 
     def hybrid_forward(self, F, x, gamma, beta, running_mean, running_var):
+        if is_np_array():
+            # NumPy mode (npx.set_np()): our operators are MXNet's legacy ones,
+            # which refuse mx.np arrays and symbols. Views of the same arrays
+            # (autograd follows them) in, a view of the output back.
+            legacy = [a.as_nd_ndarray() for a in (x, gamma, beta, running_mean, running_var)]
+            return self._forward(F, *legacy).as_np_ndarray()
+        return self._forward(F, x, gamma, beta, running_mean, running_var)
+
+    def _forward(self, F, x, gamma, beta, running_mean, running_var):
         imperative = not hasattr(F, 'Variable')
         if imperative:
             self._check_input(x)

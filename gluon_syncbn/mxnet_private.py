@@ -4,7 +4,7 @@ Each item names what we rely on and where the code that relies on it lives.
 An MXNet upgrade starts here.
 
 Raw memory
-    * :func:`host_view` (used by ``op.py``) and ``native/syncbn.cc`` read and
+    * :func:`host_view` (used by ``op.py``) and ``native/host_op.h`` read and
       write the memory of the arrays a custom-operator callback receives. In
       1.9.1 those are fresh NDArrays over the operator's own default-layout
       buffers (``custom.cc``: ``AllocateNDArrayCopy`` of inputs that
@@ -22,15 +22,18 @@ Raw memory
       operator passes one to ``MXEnginePushSyncND``).
     * static_shape graphs register a custom operator's auxiliary states as
       read-only inputs, so running statistics there are written by an engine
-      operation on the Parameter's own arrays (``op.py``, ``syncbn.cc``).
+      operation on the Parameter's own arrays (``op.py``; ``native/host_op.h``
+      RunningUpdate; ``native/arrays.h`` copy_async, through ``_copyto``).
+    * Copies: ``MXNDArraySyncCopyToCPU``/``FromCPU`` on a callback's arrays
+      wait only for their own fresh engine variables (``native/arrays.h``).
 
 Failures
     * A callback returns non-zero for success; a failed one makes MXNet raise a
       generic ``Check failed ... kCustomOpForward`` error. ``hooks`` appends our
       cause to ``MXNetError`` (a patch of its ``__init__``).
     * The custom-operator runtime keeps a failed call's exception in one
-      process-wide slot; simultaneous failures can swap it (``syncbn.cc``:
-      ``failed_call`` spaces them).
+      process-wide slot; simultaneous failures can swap it
+      (``native/session.h``: ``failed_call`` spaces them).
     * A failed call leaves its exception on the arrays it writes until someone
       waits on them (``registry.Session.clear_failed_arrays``).
 

@@ -11,12 +11,12 @@ not waited for, so nothing it does can queue behind work that waits for it.
 Data flow of one training call on device ``d``::
 
     local moments --> forward_contribution --> barrier (all devices, call #k)
-        --> sum + transport --> merge --> scale, shift  (and running stats)
+        --> group.reduce: sum + transport --> merge --> scale, shift  (and running stats)
 
 and of its backward::
 
     d scale, d shift --> backward_contribution --> barrier (key of call #k)
-        --> sum + transport --> local_moment_grads, d gamma, d beta
+        --> group.reduce: sum + transport --> local_moment_grads, d gamma, d beta
 """
 import numpy as np
 import mxnet as mx
@@ -109,7 +109,7 @@ class SyncBatchNormOp(mx.operator.CustomOp):
             key = barrier.next_forward_key(self.device, self.token)
             contribution = stats.forward_contribution(count, m1, m2, v)
             total = barrier.exchange(key, self.device, (contribution, self.input_dtype),
-                                     token=self.token)
+                                     self.group.reduce, token=self.token)
             n, mean, var = stats.merge(total)
             self._update_running(aux, mean, var)
             token, call = key[1], key[2]
@@ -139,7 +139,8 @@ class SyncBatchNormOp(mx.operator.CustomOp):
             # whichever copy lands last, the replicas end up new and identical.
             for device in range(len(self.group.devices)):
                 for param, value in zip(self.group.running_params(device), new):
-                    mx.nd.array(value, ctx=param.context, dtype=value.dtype).copyto(param)
+                    mx.nd.array(value, ctx=param.context, dtype=value.dtype).copyto(
+                        param.as_nd_ndarray())  # a view: NumPy-mode arrays too
 
     def backward(self, req, out_grad, in_data, out_data, in_grad, aux):
         token, call, n, mean, var = wire.unpack_info(_read(out_data[2]))
@@ -156,7 +157,7 @@ class SyncBatchNormOp(mx.operator.CustomOp):
             _read(out_grad[0]), _read(out_grad[1]), mean, m1, inv_std)
         key = ('bwd', token, call)
         total = self.group.barrier.exchange(key, self.device, (contribution, self.input_dtype),
-                                            token=self.token)
+                                            self.group.reduce, token=self.token)
         d_m2, d_v = stats.local_moment_grads(total, count, n, mean, m1, gamma, inv_std)
         _write(in_grad[0], req[0], 0, self.in_place)  # m1 is a constant (BlockGrad in the block)
         _write(in_grad[1], req[1], _rows_grad(d_m2, in_data[1], count, self.row_sums),

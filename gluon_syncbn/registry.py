@@ -229,8 +229,7 @@ class SyncGroup(object):
             # An aborted step leaves the other workers waiting for our sums.
             SESSION.add_abort_listener(self.transport.fail_on_abort)
         hint = timeout_hint(self.devices)
-        self.barrier = CallOrderBarrier(name, self.devices, self._combine, timeout,
-                                        hint=hint, session=SESSION)
+        self.barrier = CallOrderBarrier(name, self.devices, timeout, hint=hint, session=SESSION)
         self.host_memory = in_host_memory(self.devices)
         # Which operator synchronizes the calls: the native host operator (CPU
         # contexts), the native device operator (GPUs), or the Python one
@@ -290,8 +289,10 @@ class SyncGroup(object):
                 "Initialize the network on every context you feed." % (
                     self.name, ctx, ', '.join(self.devices)))
 
-    def _combine(self, key, values):
-        """Check the devices agree, then sum their float64 vectors."""
+    def reduce(self, key, values):
+        """The exchange ``key`` of the Python operator (see :mod:`gluon_syncbn.op`):
+        check that the devices agree, sum their float64 vectors in device
+        order, then over the other processes through the transport."""
         sizes = {i: v[0].size for i, v in values.items()}
         dtypes = {i: v[1] for i, v in values.items()}
         if len(set(sizes.values())) > 1:
@@ -305,7 +306,7 @@ class SyncGroup(object):
                 "SyncBatchNorm '%s': devices disagree on the input dtype: %s. Cast every "
                 "slice to the same dtype." % (self.name, ', '.join(
                     '%s: %s' % (self.devices[i], d) for i, d in sorted(dtypes.items()))))
-        total = np.sum([v[0] for v in values.values()], axis=0, dtype=np.float64)
+        total = np.sum([values[i][0] for i in sorted(values)], axis=0, dtype=np.float64)
         return self.transport.allreduce(self.group_id, key, total, self.barrier.timeout)
 
 

@@ -43,13 +43,26 @@ def split_batch(x, sizes):
 
 @scenario
 def layer_vs_reference(shape, sizes, axis=1, dtype='float32', hybridize=False, steps=3,
-                       offset=0.0, momentum=0.9, seed=0, deferred=False):
+                       offset=0.0, momentum=0.9, seed=0, deferred=False, numpy_mode=False):
     """SyncBatchNorm on len(sizes) devices vs float64 maths and nn.BatchNorm on one.
 
     ``deferred``: no in_channels, so a hybridized graph is first traced without
     the channel count (gamma and beta keep their initial ones and zeros).
+    ``numpy_mode``: everything under ``npx.set_np()``, on ``mx.np`` arrays.
     Returns the worst relative error per quantity over all steps.
     """
+    if numpy_mode:
+        with mx.util.np_shape(True), mx.util.np_array(True):
+            errs = _layer_vs_reference(shape, sizes, axis, dtype, hybridize, steps, offset,
+                                       momentum, seed, deferred, mx.np.array)
+        errs['out_is_np'] = float(errs.pop('out_type') == 'mxnet.numpy.ndarray')
+        return errs
+    return _layer_vs_reference(shape, sizes, axis, dtype, hybridize, steps, offset, momentum,
+                               seed, deferred, mx.nd.array)
+
+
+def _layer_vs_reference(shape, sizes, axis, dtype, hybridize, steps, offset, momentum, seed,
+                        deferred, array):
     rng = np.random.RandomState(seed)
     shape = tuple(shape)
     channels = shape[axis]
@@ -62,8 +75,8 @@ def layer_vs_reference(shape, sizes, axis=1, dtype='float32', hybridize=False, s
     if deferred:
         gamma, beta = np.ones_like(gamma), np.zeros_like(beta)
     else:
-        bn.gamma.set_data(mx.nd.array(gamma))
-        bn.beta.set_data(mx.nd.array(beta))
+        bn.gamma.set_data(array(gamma))
+        bn.beta.set_data(array(beta))
     if hybridize:
         bn.hybridize(static_alloc=hybridize == 'static', static_shape=hybridize == 'static')
     if dtype != 'float32':
@@ -71,8 +84,8 @@ def layer_vs_reference(shape, sizes, axis=1, dtype='float32', hybridize=False, s
 
     ref = gluon.nn.BatchNorm(axis=axis, momentum=momentum, in_channels=channels)
     ref.initialize(ctx=mx.cpu(0))
-    ref.gamma.set_data(mx.nd.array(gamma))
-    ref.beta.set_data(mx.nd.array(beta))
+    ref.gamma.set_data(array(gamma))
+    ref.beta.set_data(array(beta))
 
     errs = WorstErrors()
     run_mean = np.zeros(channels)
@@ -81,8 +94,8 @@ def layer_vs_reference(shape, sizes, axis=1, dtype='float32', hybridize=False, s
     for _ in range(steps):
         x = (rng.randn(*shape) * rng.uniform(0.5, 3) + offset).astype(dtype)
         dy = rng.randn(*shape).astype(dtype)
-        xs = [mx.nd.array(p, ctx=c, dtype=dtype) for p, c in zip(split_batch(x, sizes), ctxs)]
-        dys = [mx.nd.array(p, ctx=c, dtype=dtype) for p, c in zip(split_batch(dy, sizes), ctxs)]
+        xs = [array(p, ctx=c, dtype=dtype) for p, c in zip(split_batch(x, sizes), ctxs)]
+        dys = [array(p, ctx=c, dtype=dtype) for p, c in zip(split_batch(dy, sizes), ctxs)]
         for a in xs:
             a.attach_grad()
         with autograd.record():
@@ -111,11 +124,11 @@ def layer_vs_reference(shape, sizes, axis=1, dtype='float32', hybridize=False, s
 
         if dtype == 'float32' and offset == 0.0:
             # nn.BatchNorm on the concatenated batch, one context
-            xf = mx.nd.array(x, ctx=mx.cpu(0))
+            xf = array(x, ctx=mx.cpu(0))
             xf.attach_grad()
             with autograd.record():
                 yf = ref(xf)
-            yf.backward(mx.nd.array(dy, ctx=mx.cpu(0)))
+            yf.backward(array(dy, ctx=mx.cpu(0)))
             errs.note('y_vs_nn', y, yf.asnumpy())
             errs.note('dx_vs_nn', dx, xf.grad.asnumpy())
             errs.note('dgamma_vs_nn', dgamma, ref.gamma.grad().asnumpy())
@@ -125,6 +138,7 @@ def layer_vs_reference(shape, sizes, axis=1, dtype='float32', hybridize=False, s
             errs.note('running_var_vs_nn', bn.running_var.data(ctxs[0]).asnumpy(),
                  ref.running_var.data().asnumpy())
     errs['out_dtype_ok'] = float(all(a.dtype == np.dtype(dtype) for a in ys))
+    errs['out_type'] = '%s.%s' % (type(ys[0]).__module__, type(ys[0]).__name__)
     errs['operator'] = bn._group.operator  # which operator synchronized (see registry)
     if hybridize:
         # which normalization the cached graph uses now (see block._channel_affine)
@@ -281,6 +295,63 @@ def train_vs_single_device(arch='conv', sizes=(2, 2), steps=3, hybridize=False, 
     errs['replicas_identical'] = float(all(
         all((p.data(c).asnumpy() == p.data(ctxs[0]).asnumpy()).all() for c in ctxs)
         for name, p in net.collect_params().items() if 'running' in name))
+    return errs
+
+
+@scenario
+def numpy_mode_training(sizes=(2, 2), steps=3, hybridize=False, seed=0):
+    """Under ``npx.set_np()``: a small net built with nn.BatchNorm, converted
+    with convert_model, trained with a Trainer on len(sizes) contexts, vs the
+    unconverted net on one context on the concatenated batch, from the same
+    weights. Returns worst relative errors of losses, parameters and running
+    statistics over all steps."""
+    from gluon_syncbn import convert_model
+    rng = np.random.RandomState(seed)
+    ctxs = contexts(len(sizes))
+    batch = int(sum(sizes))
+    with mx.util.np_shape(True), mx.util.np_array(True):
+        def make():
+            net = gluon.nn.HybridSequential()
+            net.add(gluon.nn.Conv2D(8, 3, padding=1, use_bias=False, in_channels=3),
+                    gluon.nn.BatchNorm(in_channels=8), gluon.nn.Activation('relu'),
+                    gluon.nn.Conv2D(8, 3, padding=1, use_bias=False, in_channels=8),
+                    gluon.nn.BatchNorm(in_channels=8), gluon.nn.Activation('relu'),
+                    gluon.nn.GlobalAvgPool2D(), gluon.nn.Dense(5, in_units=8))
+            return net
+        ref = make()
+        ref.initialize(mx.init.Xavier(), ctx=mx.cpu(0))
+        net = convert_model(make())
+        net.initialize(ctx=ctxs)
+        for src, dst in zip(ref.collect_params().values(), net.collect_params().values()):
+            dst.set_data(src.data())
+        if hybridize:
+            for n in (ref, net):
+                n.hybridize(static_alloc=hybridize == 'static', static_shape=hybridize == 'static')
+        loss_fn = gluon.loss.SoftmaxCrossEntropyLoss()
+        opt = {'learning_rate': 0.1, 'momentum': 0.9}
+        ref_trainer = gluon.Trainer(ref.collect_params(), 'sgd', dict(opt))
+        trainer = gluon.Trainer(net.collect_params(), 'sgd', dict(opt))
+        errs = WorstErrors()
+        for _ in range(steps):
+            x = rng.randn(batch, 3, 6, 6).astype(np.float32)
+            label = rng.randint(0, 5, batch).astype(np.float32)
+            xs = [mx.np.array(p, ctx=c) for p, c in zip(split_batch(x, sizes), ctxs)]
+            ls = [mx.np.array(p, ctx=c) for p, c in zip(split_batch(label, sizes), ctxs)]
+            with autograd.record():
+                losses = [loss_fn(net(a), b) for a, b in zip(xs, ls)]
+            autograd.backward(losses)
+            trainer.step(batch)
+            with autograd.record():
+                ref_loss = loss_fn(ref(mx.np.array(x)), mx.np.array(label))
+            ref_loss.backward()
+            ref_trainer.step(batch)
+            errs.note('loss', np.concatenate([l.asnumpy() for l in losses]), ref_loss.asnumpy())
+            for (name, p), rp in zip(net.collect_params().items(), ref.collect_params().values()):
+                for c in ctxs:
+                    errs.note('running' if 'running' in name else 'param', p.data(c).asnumpy(),
+                              rp.data().asnumpy())
+        errs['num_syncbn'] = sum(isinstance(b, SyncBatchNorm) for b in _blocks(net))
+        errs['out_is_np'] = float(isinstance(losses[0], mx.np.ndarray))
     return errs
 
 

@@ -10,9 +10,12 @@ from gluon_syncbn.registry import Session
 
 
 def summing_barrier(n, timeout=5.0, session=None):
-    return CallOrderBarrier('bn', ['dev%d' % i for i in range(n)],
-                            lambda key, values: sum(values.values()), timeout,
-                            hint='HINT', session=session)
+    return CallOrderBarrier('bn', ['dev%d' % i for i in range(n)], timeout, hint='HINT',
+                            session=session)
+
+
+def add_up(key, values):
+    return sum(values.values())
 
 
 def run_devices(fns, deadline=10.0):
@@ -36,7 +39,7 @@ def run_devices(fns, deadline=10.0):
 
 def forward(barrier, device, value, token=None):
     key = barrier.next_forward_key(device, token)
-    return key, barrier.exchange(key, device, value, token=token)
+    return key, barrier.exchange(key, device, value, add_up, token=token)
 
 
 def test_kth_calls_pair_up_whatever_the_arrival_order():
@@ -64,7 +67,7 @@ def test_backward_pairs_by_forward_key_even_in_reverse_order():
     for i in range(2):
         order = keys[i] if i == 0 else keys[i][::-1]
         calls += [lambda i=i, key=key: (key, barrier.exchange(('bwd',) + key[1:], i,
-                                                               (i + 1) * (key[2] + 1)))
+                                                               (i + 1) * (key[2] + 1), add_up))
                   for key in order]
     out = dict()
     for key, total in run_devices(calls):
@@ -82,31 +85,12 @@ def test_timeout_names_the_missing_device_and_fails_in_time():
         assert 'missing: dev2' in str(exc) and 'HINT' in str(exc) and '2 of 3' in str(exc)
 
 
-def test_error_arrival_fails_the_others_at_once():
-    barrier = summing_barrier(3, timeout=30.0)
-    boom = SyncBatchNormError('device 1 got bad input')
-
-    def bad():
-        time.sleep(0.1)
-        key = barrier.next_forward_key(1)
-        return barrier.exchange(key, 1, error=boom)
-
-    start = time.monotonic()
-    out = run_devices([lambda: forward(barrier, 0, 1), bad])
-    assert time.monotonic() - start < 5.0
-    assert out[0] is boom and out[1] is boom
-    # the third device arrives late and fails at once too
-    start = time.monotonic()
-    with pytest.raises(SyncBatchNormError, match='bad input'):
-        forward(barrier, 2, 1)
-    assert time.monotonic() - start < 1.0
-
-
-def test_combine_error_reaches_every_device():
-    def combine(key, values):
+def test_reduce_error_reaches_every_device():
+    def reduce(key, values):
         raise SyncBatchNormError('channels disagree')
-    barrier = CallOrderBarrier('bn', ['a', 'b'], combine, 5.0)
-    out = run_devices([lambda: forward(barrier, 0, 1), lambda: forward(barrier, 1, 2)])
+    barrier = CallOrderBarrier('bn', ['a', 'b'], 5.0)
+    out = run_devices([lambda i=i: barrier.exchange(barrier.next_forward_key(i), i, 1, reduce)
+                       for i in range(2)])
     assert all(isinstance(e, SyncBatchNormError) and 'disagree' in str(e) for e in out)
 
 

@@ -43,6 +43,14 @@ CASES = {
                                deferred=True),
     'N2-deferred-static': dict(shape=[6, 3, 4, 5], sizes=[2, 4], hybridize='static',
                                deferred=True),
+    # NumPy mode (npx.set_np(), mx.np arrays in and out)
+    'N3-numpy': dict(shape=[7, 3, 4, 5], sizes=[3, 2, 2], numpy_mode=True),
+    'N2-numpy-hybrid-nhwc': dict(shape=[6, 5, 4, 3], sizes=[1, 5], axis=-1, hybridize=True,
+                                 numpy_mode=True),
+    'N3-numpy-static': dict(shape=[7, 3, 4, 5], sizes=[3, 2, 2], hybridize='static',
+                            numpy_mode=True),
+    'N2-numpy-float64-hybrid': dict(shape=[6, 3, 4, 5], sizes=[2, 4], dtype='float64',
+                                    hybridize=True, numpy_mode=True),
 }
 IDS = list(CASES)
 
@@ -65,6 +73,11 @@ def test_matches_full_batch_reference(results, case):
         assert errs[name] < F32, (name, errs)
     assert errs['replicas_identical'] == 1.0
     assert errs['out_dtype_ok'] == 1.0
+
+
+def test_numpy_mode_returns_numpy_arrays(results):
+    numpy_cases = [i for i, c in enumerate(IDS) if CASES[c].get('numpy_mode')]
+    assert numpy_cases and all(result_of(results, i)['out_is_np'] == 1.0 for i in numpy_cases)
 
 
 @pytest.mark.parametrize('case', ['N2-even', 'N2-hybrid', 'N3-hybrid-static', 'N2-float16'])
