@@ -6,7 +6,7 @@ import numpy as np
 from mxnet import autograd
 from mxnet.gluon import HybridBlock
 from mxnet.gluon.parameter import DeferredInitializationError
-from mxnet.util import is_np_array
+from mxnet.util import is_np_array, is_np_shape
 
 from . import native
 from . import op as _op
@@ -269,6 +269,12 @@ class SyncBatchNorm(HybridBlock):
             raise
 
     def _validate_input(self, x):
+        if x.size == 0 and not is_np_shape():
+            raise SyncBatchNormError(
+                "SyncBatchNorm '%s' got an empty slice (shape %s) on %s. MXNet handles size-0 "
+                "arrays only in NumPy shape mode: call mx.util.set_np_shape(True) (or "
+                "npx.set_np()) at the start of the program, and the slice takes part with "
+                "0 samples." % (self.name, x.shape, x.context))
         if not 2 <= x.ndim <= 5:
             raise SyncBatchNormError(
                 "SyncBatchNorm '%s' expects input of 2 to 5 dimensions, got shape %s. "
@@ -337,6 +343,8 @@ class SyncBatchNorm(HybridBlock):
             # Back to the layer's dtype (a traced graph cannot see x's own:
             # float16 and float64 networks call net.cast(dtype)).
             return F.Cast(out, dtype=dtype.name) if wide else out
+        if imperative and x.size == 0:
+            return self._empty_slice(F, x, gamma, beta, running_mean, running_var, group, dtype)
         half = dtype == np.float16
         # Statistics in at least float32: float16 input is widened, then narrowed back.
         xs = F.Cast(x, dtype='float32') if half else x
@@ -372,17 +380,9 @@ class SyncBatchNorm(HybridBlock):
             xc = F.broadcast_sub(xs, m1)
         m2 = moments(xc)
         sqdev = moments(F.square(xc))
-        shape = F.BlockGrad(F.shape_array(x))
-        # The synchronization step on per-channel vectors: the native device
-        # operator (native/device_op.h) or, across processes, op.py's.
-        scale, shift, _ = F.Custom(
-            m1, m2, sqdev, shape, gamma, beta, running_mean, running_var,
-            op_type=native.DEVICE_OP_TYPE if group.operator == 'device' else _op.OP_TYPE,
-            group=group.group_id, eps=self._kwargs['eps'],
-            momentum=self._kwargs['momentum'], fix_gamma=self._kwargs['fix_gamma'],
-            static_shape=self._static_shape, row_sums=channels > 0,
-            input_dtype=dtype.name,
-            name='sync')
+        scale, shift = self._synchronize(F, group, m1, m2, sqdev, F.BlockGrad(F.shape_array(x)),
+                                         gamma, beta, running_mean, running_var,
+                                         self._static_shape, channels > 0, dtype)
         out = _channel_affine(F, xc, scale, shift, channels)
         if channels:
             # Through a 3-D shape: reshaped straight back to 4-D, the
@@ -392,6 +392,33 @@ class SyncBatchNorm(HybridBlock):
         if axis == 1:
             out = F.reshape_like(out, x)
         return F.Cast(out, dtype='float16') if half else out
+
+    def _synchronize(self, F, group, m1, m2, sqdev, shape, gamma, beta, running_mean,
+                     running_var, static_shape, row_sums, dtype):
+        """The synchronization step on per-channel vectors: the native device
+        operator (native/device_op.h) or, across processes, op.py's. Returns
+        the (scale, shift) that normalize ``x - m1``."""
+        scale, shift, _ = F.Custom(
+            m1, m2, sqdev, shape, gamma, beta, running_mean, running_var,
+            op_type=native.DEVICE_OP_TYPE if group.operator == 'device' else _op.OP_TYPE,
+            group=group.group_id, eps=self._kwargs['eps'], momentum=self._kwargs['momentum'],
+            fix_gamma=self._kwargs['fix_gamma'], static_shape=static_shape, row_sums=row_sums,
+            input_dtype=dtype.name, name='sync')
+        return scale, shift
+
+    def _empty_slice(self, F, x, gamma, beta, running_mean, running_var, group, dtype):
+        """A slice with no samples: MXNet's reductions give NaN and its reshapes
+        divide by zero on it, so the operator gets zero moments (the count,
+        from the shape, is 0) and still joins both exchanges; the empty output
+        depends on scale so that its backward runs too."""
+        axis = self._kwargs['axis'] % x.ndim
+        stat_shape = tuple(x.shape[axis] if i == axis else 1 for i in range(x.ndim))
+        zeros = F.zeros(stat_shape, ctx=x.context,
+                        dtype='float32' if dtype == np.float16 else dtype.name)
+        scale, _ = self._synchronize(F, group, zeros, zeros, zeros, F.shape_array(x), gamma,
+                                     beta, running_mean, running_var, False, False, dtype)
+        # Not broadcast_add: its backward over a size-0 array segfaults in 1.9.1.
+        return F.broadcast_mul(x, F.Cast(scale, dtype=dtype.name))
 
     def __repr__(self):
         s = '{name}({content}'

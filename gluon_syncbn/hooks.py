@@ -143,6 +143,18 @@ def _blocks(block):
         yield from _blocks(child)
 
 
+def _forward_imperatively(block, args):
+    """``block(*args)`` with every block of its tree un-hybridized for this call."""
+    active = [b for b in _blocks(block) if getattr(b, '_active', False)]
+    for b in active:
+        b._active = False  # the flag alone: the cached graphs stay for later calls
+    try:
+        return block.forward(*args)
+    finally:
+        for b in active:
+            b._active = True
+
+
 def install_cached_op_hook(hybrid_block_class, session, is_training):
     """Before a cached graph with SyncBatchNorm layers runs: clear a failed
     step's errors and check that every device feeds it one dtype in this step;
@@ -153,7 +165,9 @@ def install_cached_op_hook(hybrid_block_class, session, is_training):
 
     def _call_cached_op(self, *args):
         session.clear_failed_arrays()
-        if session.active() and args and hasattr(args[0], 'dtype') and is_training():
+        names = None
+        empty = any(getattr(a, 'size', 1) == 0 for a in args)
+        if (session.active() or empty) and args and hasattr(args[0], 'dtype') and is_training():
             # The layer names, found again whenever the graph is rebuilt
             # (convert_model and hybridize() after a first call rebuild it).
             graph, names = getattr(self, '_gluon_syncbn_layers', (None, None))
@@ -164,6 +178,11 @@ def install_cached_op_hook(hybrid_block_class, session, is_training):
             if names:
                 session.check_dtypes(id(self), names, str(args[0].context),
                                      np.dtype(args[0].dtype).name)
+        if names and empty:
+            # An empty slice: cached graphs divide by zero on size-0 input
+            # (reshape), so this call runs imperatively, where each
+            # SyncBatchNorm layer joins its exchanges with count 0.
+            return _forward_imperatively(self, args)
         out = original(self, *args)
         if _retrace_requested[0]:
             _retrace_requested[0] = False

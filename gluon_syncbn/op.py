@@ -153,8 +153,12 @@ class SyncBatchNormOp(mx.operator.CustomOp):
         count = _count(in_data[3], channels)
         gamma = np.ones_like(m1) if self.fix_gamma else _read(in_data[4])
         inv_std = 1.0 / np.sqrt(var + self.eps)
+        # An empty slice adds nothing (MXNet leaves its reductions over size-0
+        # arrays unwritten, so its gradients here are not even zeros).
+        d_scale, d_shift = ((_read(out_grad[0]), _read(out_grad[1])) if count > 0
+                            else (np.zeros(channels), np.zeros(channels)))
         contribution, d_gamma, d_beta = stats.backward_contribution(
-            _read(out_grad[0]), _read(out_grad[1]), mean, m1, inv_std)
+            d_scale, d_shift, mean, m1, inv_std)
         key = ('bwd', token, call)
         total = self.group.barrier.exchange(key, self.device, (contribution, self.input_dtype),
                                             self.group.reduce, token=self.token)

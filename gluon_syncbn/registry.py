@@ -307,7 +307,12 @@ class SyncGroup(object):
                 "slice to the same dtype." % (self.name, ', '.join(
                     '%s: %s' % (self.devices[i], d) for i, d in sorted(dtypes.items()))))
         total = np.sum([values[i][0] for i in sorted(values)], axis=0, dtype=np.float64)
-        return self.transport.allreduce(self.group_id, key, total, self.barrier.timeout)
+        total = self.transport.allreduce(self.group_id, key, total, self.barrier.timeout)
+        if key[0] == 'fwd' and total[0] <= 0:  # FORWARD: n
+            raise SyncBatchNormError(
+                "SyncBatchNorm '%s': every device's slice of this batch is empty; there is "
+                "nothing to normalize. Skip empty batches." % self.name)
+        return total
 
 
 def register(group):

@@ -30,6 +30,8 @@ def max_rel_err(actual, expected):
     """max |actual - expected| / max(|expected|, tiny), as a float."""
     actual = np.asarray(actual, np.float64)
     expected = np.asarray(expected, np.float64)
+    if expected.size == 0:  # an empty slice: right if it is empty too
+        return 0.0 if actual.size == 0 else float('inf')
     scale = max(np.abs(expected).max(), 1e-12)
     return float(np.abs(actual - expected).max() / scale)
 

@@ -394,6 +394,66 @@ def _fault_net(ctxs, hybridize, timeout, channels=3):
 
 
 @scenario
+def empty_slices(empty, sizes=(2, 3, 1), hybridize=False, steps=2, seed=0, numpy_shape=True):
+    """Devices ``empty`` (indices) get a slice with no samples, under NumPy
+    shape mode (``numpy_shape=False``: without it, where that is an error);
+    compared with float64 maths on the other slices: outputs and
+    input gradients, gamma/beta gradients summed over devices, running
+    statistics on every device. If every slice is empty, the error, then a
+    normal step (``recovered``)."""
+    rng = np.random.RandomState(seed)
+    sizes = [0 if i in empty else s for i, s in enumerate(sizes)]
+    ctxs = contexts(len(sizes))
+    channels = 3
+    gamma = rng.uniform(0.5, 1.5, channels)
+    beta = rng.uniform(-0.5, 0.5, channels)
+    with mx.util.np_shape(numpy_shape):
+        bn = SyncBatchNorm(in_channels=channels, timeout=60)
+        bn.initialize(ctx=ctxs)
+        bn.gamma.set_data(mx.nd.array(gamma))
+        bn.beta.set_data(mx.nd.array(beta))
+        if hybridize:
+            bn.hybridize(static_alloc=hybridize == 'static', static_shape=hybridize == 'static')
+        if not sum(sizes) or not numpy_shape:
+            xs = [mx.nd.array(np.zeros((s, channels, 4, 5)), ctx=c) for s, c in zip(sizes, ctxs)]
+            msg, kind, seconds = _capture(lambda: _step(bn, xs))
+            bn.gamma.set_data(mx.nd.ones(channels))
+            bn.beta.set_data(mx.nd.zeros(channels))
+            return {'message': msg, 'type': kind, 'seconds': seconds,
+                    'recovered': _recovery_error(bn, ctxs, rng, (len(ctxs), channels, 4, 5))}
+        errs = WorstErrors()
+        run_mean, run_var = np.zeros(channels), np.ones(channels)
+        for _ in range(steps):
+            x = rng.randn(sum(sizes), channels, 4, 5).astype(np.float32) * 2 + 1
+            dy = rng.randn(*x.shape).astype(np.float32)
+            xs = [mx.nd.array(p, ctx=c) for p, c in zip(split_batch(x, sizes), ctxs)]
+            for a in xs:
+                a.attach_grad()
+            with autograd.record():
+                ys = [bn(a) for a in xs]
+            autograd.backward(ys, [mx.nd.array(p, ctx=c)
+                                   for p, c in zip(split_batch(dy, sizes), ctxs)])
+            y64, dx64, dg64, db64, mean64, var64 = batchnorm_float64(x, dy, gamma, beta)
+            run_mean = run_mean * 0.9 + mean64 * 0.1
+            run_var = run_var * 0.9 + var64 * 0.1
+            errs.note('y', np.concatenate([a.asnumpy() for a in ys]), y64)
+            errs.note('dx', np.concatenate([a.grad.asnumpy() for a in xs]), dx64)
+            errs.note('dgamma', sum(bn.gamma.grad(c).asnumpy().astype(np.float64) for c in ctxs),
+                      dg64)
+            errs.note('dbeta', sum(bn.beta.grad(c).asnumpy().astype(np.float64) for c in ctxs),
+                      db64)
+            for c in ctxs:
+                errs.note('running_mean', bn.running_mean.data(c).asnumpy(), run_mean)
+                errs.note('running_var', bn.running_var.data(c).asnumpy(), run_var)
+            errs['empty_shapes_ok'] = float(all(
+                ys[i].shape == xs[i].shape == xs[i].grad.shape for i in empty))
+            errs['empty_grads_zero'] = float(all(
+                not bn.gamma.grad(ctxs[i]).asnumpy().any() and
+                not bn.beta.grad(ctxs[i]).asnumpy().any() for i in empty))
+        return errs
+
+
+@scenario
 def missing_device(num_devices=3, hybridize=False, timeout_seconds=2.0, seed=0):
     """A step where the last device gets no slice, then a normal step."""
     rng = np.random.RandomState(seed)

@@ -75,6 +75,8 @@ KVSTORE_LAYER_CASES = [
     (3, 1, [2, 1, 4], {'hybridize': True, 'axis': -1}),
     (2, 1, [1, 2], {'shape': [6]}),  # 2-D input, 3 samples in all
     (2, [2, 1], [1, 2, 3], {}),  # 2 devices on worker 0, 1 on worker 1
+    (2, 1, [3, 0], {}),  # worker 1's shard is empty this step
+    (2, 2, [0, 0, 1, 2], {'hybridize': True}),  # worker 0's too, hybridized
 ]
 
 
@@ -144,7 +146,8 @@ def test_bad_input_on_one_worker_ends_the_job_with_its_error():
     assert elapsed < 40, elapsed
 
 
-@pytest.mark.parametrize('devices,sizes', [(2, [1, 3, 2, 1]), (1, [2, 3])])
+@pytest.mark.parametrize('devices,sizes', [(2, [1, 3, 2, 1]), (1, [2, 3]),
+                                          (2, [2, 1, 0, 0])])  # worker 1's shard is empty
 def test_layer_over_horovod_matches_float64(devices, sizes):
     if HOROVOD:
         pytest.skip(HOROVOD)

@@ -76,7 +76,7 @@ int device_forward(int size, void** ptrs, int* tags, const int* req, const int i
   } else {
     std::vector<double> m2 = local_mean(m2_rows, C, count, p.row_sums),
                         v = local_mean(v_rows, C, count, p.row_sums), mean(C), var(C);
-    for (size_t c = 0; c < C; ++c) {
+    for (size_t c = 0; c < C && count > 0; ++c) {  // an empty slice adds zeros
       mean[c] = m1[c] + m2[c];
       var[c] = std::max(v[c] - m2[c] * m2[c], 0.0);
     }
@@ -158,6 +158,10 @@ int device_backward(int size, void** ptrs, int* tags, const int* req, const int,
   if (!backward_current(p.static_shape, op.token)) return failed_call();
   const size_t C = m1.size();
   const double count = sample_count(shape, C);
+  if (count == 0) {  // an empty slice adds nothing (MXNet leaves reductions over
+    d_scale.assign(C, 0.0);  // size-0 arrays unwritten: these are not even zeros)
+    d_shift.assign(C, 0.0);
+  }
   std::vector<double> inv_std(C), sum_dy_xc(C), d_gamma(C);
   for (size_t c = 0; c < C; ++c) {
     if (p.fix_gamma) gamma[c] = 1.0;

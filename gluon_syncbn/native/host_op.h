@@ -64,10 +64,10 @@ int host_forward(int size, void** ptrs, int* tags, const int* req, const int is_
     // it, so |mean| >> std loses nothing before the float64 merge.
     std::vector<double> mean(C, 0.0), var(C, 0.0);
     for_each(l, [&](int64_t c, int64_t i) { mean[c] += at(x, i); });
-    const double count = static_cast<double>(l.count());
-    for (int64_t c = 0; c < C; ++c) mean[c] /= count;
+    const double count = static_cast<double>(l.count());  // 0: an empty slice takes part
+    for (int64_t c = 0; c < C && count > 0; ++c) mean[c] /= count;
     for_each(l, [&](int64_t c, int64_t i) { double d = at(x, i) - mean[c]; var[c] += d * d; });
-    for (int64_t c = 0; c < C; ++c) var[c] /= count;
+    for (int64_t c = 0; c < C && count > 0; ++c) var[c] /= count;
     uint64_t token;
     int64_t call;
     std::vector<double> total;

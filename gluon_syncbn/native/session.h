@@ -146,8 +146,13 @@ bool exchange(Group& g, const Key& key, int device, std::vector<double> value,
       ex->result.assign(size, 0.0);
       for (int i = 0; i < n; ++i)
         for (size_t j = 0; j < size; ++j) ex->result[j] += ex->values[i][j];
-      ex->done = true;
-      ex->cv.notify_all();
+      if (std::get<0>(key) == 0 && ex->result[0] <= 0) {  // FORWARD: n
+        failure = "SyncBatchNorm '" + g.name + "': every device's slice of this batch is "
+                  "empty; there is nothing to normalize. Skip empty batches.";
+      } else {
+        ex->done = true;
+        ex->cv.notify_all();
+      }
     }
   }
   while (failure.empty() && !ex->done && ex->error.empty()) {
