@@ -15,6 +15,7 @@ from .transport import make_transport
 from .engine import check_cpu_contexts, is_naive_engine, mkldnn_active, in_host_memory
 from .hooks import CENTER_OP, request_retrace
 from .errors import SyncBatchNormError
+from .groups import check_sync_groups
 
 __all__ = ['SyncBatchNorm']
 
@@ -154,6 +155,13 @@ class SyncBatchNorm(HybridBlock):
         ``mx.kv.create('dist_sync')`` store (shared with a Trainer created with
         ``update_on_kvstore=False``), or ``'horovod'`` for ``horovod.mxnet``.
         None (or a local kvstore): this process's devices only.
+    sync_groups : int, list of lists of int, or None, default None
+        Normalize within groups of devices instead of over all of them: a
+        group size (consecutive devices), or the groups as lists of device
+        indices, e.g. ``[[0, 2], [1, 3]]``. Devices are numbered in the order
+        of the contexts the parameters were initialized on; across processes,
+        worker ``r``'s device ``i`` is ``r * devices_per_worker + i``. The
+        groups must tile the devices. None: one group of all.
 
     Inputs:
         - **data**: input of 2 to 5 dimensions, float16, float32 or float64.
@@ -175,7 +183,8 @@ class SyncBatchNorm(HybridBlock):
     def __init__(self, axis=1, momentum=0.9, epsilon=1e-5, center=True, scale=True,
                  use_global_stats=False, beta_initializer='zeros', gamma_initializer='ones',
                  running_mean_initializer='zeros', running_variance_initializer='ones',
-                 in_channels=0, num_devices=None, timeout=None, kvstore=None, **kwargs):
+                 in_channels=0, num_devices=None, timeout=None, kvstore=None, sync_groups=None,
+                 **kwargs):
         super(SyncBatchNorm, self).__init__(**kwargs)
         if num_devices is not None and (int(num_devices) != num_devices or num_devices < 1):
             raise ValueError('SyncBatchNorm: num_devices must be a positive integer or None, '
@@ -186,6 +195,7 @@ class SyncBatchNorm(HybridBlock):
         self._num_devices = num_devices
         self._timeout = float(timeout) if timeout is not None else default_timeout()
         self._transport = make_transport(kvstore)
+        self._sync_groups = check_sync_groups(sync_groups)
         self._group_id = registry.new_group_id()
         self._group = None
         self._input_dtype = 'float32'
@@ -255,7 +265,8 @@ class SyncBatchNorm(HybridBlock):
             group = registry.SyncGroup(self._group_id, self.name, devices,
                                        self._kwargs['axis'], self._timeout,
                                        transport=self._transport,
-                                       arrays=_array_getter(self))
+                                       arrays=_array_getter(self),
+                                       sync_groups=self._sync_groups)
             registry.register(group)
             self._group = group
         return group

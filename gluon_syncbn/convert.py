@@ -55,7 +55,7 @@ def _replace_references(parent, old, new):
                     value[k] = new
 
 
-def convert_model(net, num_devices=None, timeout=None, kvstore=None):
+def convert_model(net, num_devices=None, timeout=None, kvstore=None, sync_groups=None):
     """Replace every BatchNorm in ``net`` by :class:`SyncBatchNorm`, in place.
 
     Handles ``gluon.nn.BatchNorm`` and ``gluon.contrib.nn.SyncBatchNorm`` at any
@@ -74,6 +74,9 @@ def convert_model(net, num_devices=None, timeout=None, kvstore=None):
     kvstore : KVStore, 'horovod' or None
         Passed to every :class:`SyncBatchNorm`: synchronize across worker
         processes too.
+    sync_groups : int, list of lists of int, or None
+        Passed to every :class:`SyncBatchNorm`: normalize within these groups
+        of devices.
 
     Returns
     -------
@@ -82,7 +85,8 @@ def convert_model(net, num_devices=None, timeout=None, kvstore=None):
     """
     def make(bn):
         return SyncBatchNorm(num_devices=num_devices, timeout=timeout, kvstore=kvstore,
-                             prefix=bn.prefix, params=bn.params, **_settings(bn))
+                             sync_groups=sync_groups, prefix=bn.prefix, params=bn.params,
+                             **_settings(bn))
     if _is_batchnorm(net):
         return make(net)
     _swap(net, _is_batchnorm, make)

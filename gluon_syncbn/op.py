@@ -87,6 +87,7 @@ class SyncBatchNormOp(mx.operator.CustomOp):
         self.fix_gamma = fix_gamma
         self.static_shape = static_shape
         self.in_place = group.host_memory
+        self.subgroup = group.subgroup_of[device]  # which row of the reduced sums is ours
         # The step this call was issued in. A static_shape graph creates its
         # operators once, at the first call, so there it means nothing.
         self.token = None if static_shape else SESSION.issue_token()
@@ -109,7 +110,7 @@ class SyncBatchNormOp(mx.operator.CustomOp):
             key = barrier.next_forward_key(self.device, self.token)
             contribution = stats.forward_contribution(count, m1, m2, v)
             total = barrier.exchange(key, self.device, (contribution, self.input_dtype),
-                                     self.group.reduce, token=self.token)
+                                     self.group.reduce, token=self.token)[self.subgroup]
             n, mean, var = stats.merge(total)
             self._update_running(aux, mean, var)
             token, call = key[1], key[2]
@@ -130,17 +131,14 @@ class SyncBatchNormOp(mx.operator.CustomOp):
         else:
             _write(aux[0], 'write', new[0], self.in_place)
             _write(aux[1], 'write', new[1], self.in_place)
-        if self.static_shape and self.device == 0:
+        if self.static_shape:
             # MXNet 1.9.1's static_shape executor registers auxiliary states as
             # read-only dependencies, so nothing orders later readers (the
             # Trainer's first broadcast, user code) after the writes above.
-            # Asynchronous copies into the parameters' own arrays are ordered.
-            # Device 0 writes every device's copy (all hold the same values), so
-            # whichever copy lands last, the replicas end up new and identical.
-            for device in range(len(self.group.devices)):
-                for param, value in zip(self.group.running_params(device), new):
-                    mx.nd.array(value, ctx=param.context, dtype=value.dtype).copyto(
-                        param.as_nd_ndarray())  # a view: NumPy-mode arrays too
+            # An asynchronous copy into this device's parameter array is ordered.
+            for param, value in zip(self.group.running_params(self.device), new):
+                mx.nd.array(value, ctx=param.context, dtype=value.dtype).copyto(
+                    param.as_nd_ndarray())  # a view: NumPy-mode arrays too
 
     def backward(self, req, out_grad, in_data, out_data, in_grad, aux):
         token, call, n, mean, var = wire.unpack_info(_read(out_data[2]))
@@ -161,7 +159,7 @@ class SyncBatchNormOp(mx.operator.CustomOp):
             d_scale, d_shift, mean, m1, inv_std)
         key = ('bwd', token, call)
         total = self.group.barrier.exchange(key, self.device, (contribution, self.input_dtype),
-                                            self.group.reduce, token=self.token)
+                                            self.group.reduce, token=self.token)[self.subgroup]
         d_m2, d_v = stats.local_moment_grads(total, count, n, mean, m1, gamma, inv_std)
         _write(in_grad[0], req[0], 0, self.in_place)  # m1 is a constant (BlockGrad in the block)
         _write(in_grad[1], req[1], _rows_grad(d_m2, in_data[1], count, self.row_sums),

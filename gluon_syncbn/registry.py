@@ -7,6 +7,7 @@ are unique per layer object (not per prefix), so two networks with equal
 prefixes never share a barrier. A group whose calls run in the native
 operator is registered there too (same id), and its barrier lives there.
 """
+import ctypes
 import itertools
 import os
 import threading
@@ -17,6 +18,7 @@ from . import native
 from . import wire
 from .barrier import CallOrderBarrier
 from .engine import in_host_memory
+from .groups import partition
 from .errors import (SyncBatchNormError, SyncBatchNormTimeout, add_failure_source,
                      record_failure)
 from .transport import LocalTransport
@@ -216,15 +218,19 @@ class SyncGroup(object):
         ``which='running'`` (running mean, variance) or ``'written'`` (those plus
         the gamma/beta gradients). Without it, no running-statistics copies and
         no clean-up after an abort.
+    sync_groups : int, tuple of tuples or None
+        Which devices normalize together (see :mod:`gluon_syncbn.groups`).
     """
 
-    def __init__(self, group_id, name, devices, axis, timeout, transport=None, arrays=None):
+    def __init__(self, group_id, name, devices, axis, timeout, transport=None, arrays=None,
+                 sync_groups=None):
         self.group_id = group_id
         self.name = name
         self.devices = list(devices)
         self._arrays = arrays
         self.axis = axis
         self.transport = transport or LocalTransport()
+        self._init_subgroups(sync_groups)
         if self.transport.cross_process:
             # An aborted step leaves the other workers waiting for our sums.
             SESSION.add_abort_listener(self.transport.fail_on_abort)
@@ -240,9 +246,30 @@ class SyncGroup(object):
             self.operator = 'host' if self.host_memory else 'device'
         self._running_arrays = []
         if self.operator != 'python':
+            subgroups = (ctypes.c_int * len(self.devices))(*self.subgroup_of)
             SESSION._native.gsbn_group_create(
                 group_id.encode(), name.encode(), b'\0'.join(d.encode() for d in self.devices),
-                len(self.devices), float(timeout), hint.encode())
+                len(self.devices), float(timeout), hint.encode(), subgroups,
+                len(self.groups))
+
+    def _init_subgroups(self, sync_groups):
+        """``groups`` (global device indices), each local device's group, and
+        whether sums must leave the process: only if a group spans workers."""
+        local = len(self.devices)
+        cross = self.transport.cross_process
+        workers, rank = (self.transport.num_workers, self.transport.rank) if cross else (1, 0)
+        self.groups = partition(sync_groups, local * workers, self.name)
+        first = rank * local
+        owner = {d: g for g, members in enumerate(self.groups) for d in members}
+        self.subgroup_of = [owner[first + i] for i in range(local)]
+        self.needs_transport = cross and any(
+            len({d // local for d in members}) > 1 for members in self.groups)
+        # With groups across workers, each reduction also checks that the
+        # workers agree on the global numbering: every device owned once.
+        self._ownership = np.zeros(0)
+        if self.needs_transport and sync_groups is not None:
+            self._ownership = np.zeros(local * workers)
+            self._ownership[first:first + local] = 1.0
 
     def register_running_arrays(self):
         """Hand the native operator each device's running mean and variance
@@ -257,7 +284,10 @@ class SyncGroup(object):
 
     def attach(self, channels):
         """Prepare the transport for this layer (main thread, at its first call)."""
-        self.transport.attach(self.group_id, self.name, channels)
+        extra = self._ownership.size
+        self.transport.attach(self.group_id, self.name,
+                              len(self.groups) * wire.forward_size(channels) + extra,
+                              len(self.groups) * wire.backward_size(channels) + extra)
 
     def running_params(self, device):
         """The running mean and variance arrays of ``device`` (the layer's own)."""
@@ -291,8 +321,9 @@ class SyncGroup(object):
 
     def reduce(self, key, values):
         """The exchange ``key`` of the Python operator (see :mod:`gluon_syncbn.op`):
-        check that the devices agree, sum their float64 vectors in device
-        order, then over the other processes through the transport."""
+        check that the devices agree, sum their float64 vectors per sync group
+        in device order, then over the other processes through the transport.
+        Returns one row per group; device ``i`` takes row ``subgroup_of[i]``."""
         sizes = {i: v[0].size for i, v in values.items()}
         dtypes = {i: v[1] for i, v in values.items()}
         if len(set(sizes.values())) > 1:
@@ -306,13 +337,31 @@ class SyncGroup(object):
                 "SyncBatchNorm '%s': devices disagree on the input dtype: %s. Cast every "
                 "slice to the same dtype." % (self.name, ', '.join(
                     '%s: %s' % (self.devices[i], d) for i, d in sorted(dtypes.items()))))
-        total = np.sum([values[i][0] for i in sorted(values)], axis=0, dtype=np.float64)
-        total = self.transport.allreduce(self.group_id, key, total, self.barrier.timeout)
-        if key[0] == 'fwd' and total[0] <= 0:  # FORWARD: n
-            raise SyncBatchNormError(
-                "SyncBatchNorm '%s': every device's slice of this batch is empty; there is "
-                "nothing to normalize. Skip empty batches." % self.name)
-        return total
+        size = next(iter(values.values()))[0].size
+        stacked = np.zeros((len(self.groups), size))  # one sum per sync group
+        for i in sorted(values):
+            stacked[self.subgroup_of[i]] += values[i][0]
+        if self.needs_transport:
+            flat = np.concatenate((stacked.ravel(), self._ownership))
+            flat = self.transport.allreduce(self.group_id, key, flat,
+                                            wire.channels_of(key[0], values[0][0]),
+                                            self.barrier.timeout)
+            stacked = flat[:stacked.size].reshape(stacked.shape)
+            owners = flat[stacked.size:]
+            if owners.size and not (owners == 1).all():
+                raise SyncBatchNormError(
+                    "SyncBatchNorm '%s': the workers disagree on the global device numbering "
+                    "of sync_groups (devices owned by no worker or by several: %s). Every "
+                    "worker must use the same number of devices." % (
+                        self.name, [d for d, c in enumerate(owners) if c != 1]))
+        for g in sorted(set(self.subgroup_of)):
+            if key[0] == 'fwd' and stacked[g][0] <= 0:  # FORWARD: n
+                raise SyncBatchNormError(
+                    "SyncBatchNorm '%s': every device's slice of this batch is empty%s; there "
+                    "is nothing to normalize. Skip empty batches." % (
+                        self.name, ' in sync group %s' % self.groups[g]
+                        if len(self.groups) > 1 else ''))
+        return stacked
 
 
 def register(group):

@@ -54,10 +54,10 @@ class LocalTransport(object):
     name = 'local'
     cross_process = False
 
-    def attach(self, group_id, layer_name, channels):
+    def attach(self, group_id, layer_name, forward_len, backward_len):
         """Nothing to set up in one process."""
 
-    def allreduce(self, group_id, key, vector, timeout):
+    def allreduce(self, group_id, key, vector, channels, timeout):
         """Return the sum of ``vector`` over all processes (here: ``vector``)."""
         return np.asarray(vector, dtype=np.float64)
 
@@ -80,19 +80,20 @@ class _CrossProcessTransport(object):
         self._broken = None
         self.exit_grace = float(os.environ.get('GLUON_SYNCBN_EXIT_GRACE', DEFAULT_EXIT_GRACE))
 
-    def attach(self, group_id, layer_name, channels):
-        """Give the layer a slot; must run on the main thread, in network order."""
+    def attach(self, group_id, layer_name, forward_len, backward_len):
+        """Give the layer a slot for vectors of these lengths; must run on the
+        main thread, in network order."""
         if group_id in self._slots:
             return
         with self._lock:
             slot = len(self._slots)
             self._layers[slot] = "'%s' (slot %d)" % (layer_name, slot)
-            self._init_slot(slot, wire.CHECKS + wire.forward_size(channels),
-                            wire.CHECKS + wire.backward_size(channels))
+            self._init_slot(slot, wire.CHECKS + forward_len, wire.CHECKS + backward_len)
             self._slots[group_id] = slot
 
-    def allreduce(self, group_id, key, vector, timeout):
-        """Sum ``vector`` over every worker; raise (fatally) if that fails."""
+    def allreduce(self, group_id, key, vector, channels, timeout):
+        """Sum ``vector`` over every worker; raise (fatally) if that fails.
+        ``channels`` is a check number: the workers must agree on it."""
         if self._broken is not None:
             raise self._broken
         direction, call = key[0], key[-1]
@@ -102,7 +103,7 @@ class _CrossProcessTransport(object):
                 'SyncBatchNorm: layer %s has no %s slot: its first call was not issued from '
                 'the main thread; this is a bug in gluon_syncbn, please report it.'
                 % (group_id, self.name))
-        payload = wire.pack_checked(wire.channels_of(direction, vector), call, vector)
+        payload = wire.pack_checked(channels, call, vector)
         checks = payload[:wire.CHECKS]
         try:
             with self._lock:

@@ -25,7 +25,8 @@ import mxnet as mx  # noqa: E402
 from mxnet import autograd, gluon  # noqa: E402
 
 from gluon_syncbn import SyncBatchNorm, convert_model  # noqa: E402
-from tests.reference import WorstErrors, batchnorm_float64, max_rel_err  # noqa: E402
+from tests.reference import (WorstErrors, grouped_batchnorm_float64,  # noqa: E402
+                             max_rel_err)
 from tests.scenarios import build, copy_params, split_batch  # noqa: E402
 
 
@@ -66,9 +67,12 @@ class Worker(object):
         return np.concatenate([parts[i] for i in self.mine])
 
 
-def layer(backend, devices, sizes, shape=(3, 4, 5), axis=1, steps=2, hybridize=False, seed=0):
-    """SyncBatchNorm across workers vs float64 maths on the global batch.
+def layer(backend, devices, sizes, shape=(3, 4, 5), axis=1, steps=2, hybridize=False, seed=0,
+          sync_groups=None):
+    """SyncBatchNorm across workers vs float64 maths on the global batch (or,
+    with ``sync_groups``, within each group of global devices).
     A size of 0 is an empty slice (run under NumPy shape mode)."""
+    from gluon_syncbn.groups import check_sync_groups, partition
     if 0 in sizes:
         mx.util.set_np_shape(True)
     worker = Worker(backend, devices, sizes)
@@ -77,16 +81,16 @@ def layer(backend, devices, sizes, shape=(3, 4, 5), axis=1, steps=2, hybridize=F
     channels = full[axis]
     gamma = rng.uniform(0.5, 1.5, channels)
     beta = rng.uniform(-0.5, 0.5, channels)
-    bn = SyncBatchNorm(axis=axis, in_channels=channels, kvstore=worker.kvstore, timeout=60)
+    groups = partition(check_sync_groups(sync_groups), len(sizes), 'reference')
+    bn = SyncBatchNorm(axis=axis, in_channels=channels, kvstore=worker.kvstore, timeout=60,
+                       sync_groups=sync_groups)
     bn.initialize(ctx=worker.ctxs)
     bn.gamma.set_data(mx.nd.array(gamma))
     bn.beta.set_data(mx.nd.array(beta))
     if hybridize:
         bn.hybridize()
     errs = WorstErrors()
-    run_mean, run_var = np.zeros(channels), np.ones(channels)
-
-    red = tuple(i for i in range(len(full)) if i != axis % len(full))
+    run = {i: (np.zeros(channels), np.ones(channels)) for i in worker.mine}
     for _ in range(steps):
         x = (rng.randn(*full) * 2 + 1).astype(np.float32)
         dy = rng.randn(*full).astype(np.float32)
@@ -96,22 +100,18 @@ def layer(backend, devices, sizes, shape=(3, 4, 5), axis=1, steps=2, hybridize=F
         with autograd.record():
             ys = [bn(a) for a in xs]
         autograd.backward(ys, dys)
-        y64, dx64, _, _, mean64, var64 = batchnorm_float64(x, dy, gamma, beta, axis)
-        bshape = [1] * len(full)
-        bshape[axis] = -1
-        xhat = (y64 - beta.reshape(bshape)) / gamma.reshape(bshape)
-        # gamma/beta gradients stay per device: this worker's share of the sums
-        dgamma_mine = (worker.rows(dy).astype(np.float64) * worker.rows(xhat)).sum(axis=red)
-        dbeta_mine = worker.rows(dy).astype(np.float64).sum(axis=red)
-        run_mean = run_mean * 0.9 + mean64 * 0.1
-        run_var = run_var * 0.9 + var64 * 0.1
-        errs.note('y', np.concatenate([a.asnumpy() for a in ys]), worker.rows(y64))
-        errs.note('dx', np.concatenate([a.grad.asnumpy() for a in xs]), worker.rows(dx64))
-        errs.note('dgamma', sum(bn.gamma.grad(c).asnumpy() for c in worker.ctxs), dgamma_mine)
-        errs.note('dbeta', sum(bn.beta.grad(c).asnumpy() for c in worker.ctxs), dbeta_mine)
-        for c in worker.ctxs:
-            errs.note('running_mean', bn.running_mean.data(c).asnumpy(), run_mean)
-            errs.note('running_var', bn.running_var.data(c).asnumpy(), run_var)
+        ref = grouped_batchnorm_float64(split_batch(x, sizes), split_batch(dy, sizes), groups,
+                                        gamma, beta, axis)
+        for i, c, y, a in zip(worker.mine, worker.ctxs, ys, xs):
+            y64, dx64, dg64, db64, mean64, var64 = ref[i]
+            run[i] = (run[i][0] * 0.9 + mean64 * 0.1, run[i][1] * 0.9 + var64 * 0.1)
+            errs.note('y', y.asnumpy(), y64)
+            errs.note('dx', a.grad.asnumpy(), dx64)
+            # gamma/beta gradients stay per device: this device's share of the sums
+            errs.note('dgamma', bn.gamma.grad(c).asnumpy(), dg64)
+            errs.note('dbeta', bn.beta.grad(c).asnumpy(), db64)
+            errs.note('running_mean', bn.running_mean.data(c).asnumpy(), run[i][0])
+            errs.note('running_var', bn.running_var.data(c).asnumpy(), run[i][1])
     return dict(errs, rank=worker.rank)
 
 

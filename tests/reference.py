@@ -41,3 +41,30 @@ class WorstErrors(dict):
 
     def note(self, name, actual, expected):
         self[name] = max(self.get(name, 0.0), max_rel_err(actual, expected))
+
+
+def grouped_batchnorm_float64(x_parts, dy_parts, groups, gamma, beta, axis=1, eps=1e-5):
+    """:func:`batchnorm_float64` within each group of device slices.
+
+    ``groups``: lists of indices into ``x_parts``. Returns per device
+    ``(y, dx, dgamma, dbeta, mean, var)``: outputs and input gradients of its
+    slice, its own share of the gamma/beta gradient sums, and its group's
+    statistics.
+    """
+    out = [None] * len(x_parts)
+    for group in groups:
+        x = np.concatenate([x_parts[i] for i in group])
+        dy = np.concatenate([dy_parts[i] for i in group])
+        y, dx, _, _, mean, var = batchnorm_float64(x, dy, gamma, beta, axis, eps)
+        red = tuple(k for k in range(x.ndim) if k != axis % x.ndim)
+        shape = [1] * x.ndim
+        shape[axis] = -1
+        xhat = (x.astype(np.float64) - mean.reshape(shape)) / np.sqrt(var + eps).reshape(shape)
+        start = 0
+        for i in group:
+            stop = start + len(x_parts[i])
+            dyi = dy[start:stop].astype(np.float64)
+            out[i] = (y[start:stop], dx[start:stop], (dyi * xhat[start:stop]).sum(axis=red),
+                      dyi.sum(axis=red), mean, var)
+            start = stop
+    return out

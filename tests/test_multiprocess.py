@@ -77,6 +77,8 @@ KVSTORE_LAYER_CASES = [
     (2, [2, 1], [1, 2, 3], {}),  # 2 devices on worker 0, 1 on worker 1
     (2, 1, [3, 0], {}),  # worker 1's shard is empty this step
     (2, 2, [0, 0, 1, 2], {'hybridize': True}),  # worker 0's too, hybridized
+    (2, 2, [1, 3, 2, 1], {'sync_groups': 2}),  # a group per worker: nothing leaves it
+    (2, 2, [1, 3, 2, 1], {'sync_groups': [[0, 2], [1, 3]], 'hybridize': True}),  # across
 ]
 
 
@@ -146,12 +148,14 @@ def test_bad_input_on_one_worker_ends_the_job_with_its_error():
     assert elapsed < 40, elapsed
 
 
-@pytest.mark.parametrize('devices,sizes', [(2, [1, 3, 2, 1]), (1, [2, 3]),
-                                          (2, [2, 1, 0, 0])])  # worker 1's shard is empty
-def test_layer_over_horovod_matches_float64(devices, sizes):
+@pytest.mark.parametrize('devices,sizes,sync_groups', [(2, [1, 3, 2, 1], None),
+                                                      (1, [2, 3], None),
+                                                      (2, [2, 1, 0, 0], None),  # empty shard
+                                                      (2, [1, 3, 2, 1], [[0, 3], [1, 2]])])
+def test_layer_over_horovod_matches_float64(devices, sizes, sync_groups):
     if HOROVOD:
         pytest.skip(HOROVOD)
-    kwargs = dict(backend='horovod', devices=devices, sizes=sizes)
+    kwargs = dict(backend='horovod', devices=devices, sizes=sizes, sync_groups=sync_groups)
     code, output, _, results = run_job(2, 'layer', kwargs, backend='horovod')
     assert_exact(code, output, results, 2)
 

@@ -77,10 +77,10 @@ def forward_vector(channels, value=1.0):
 
 def test_sums_with_other_workers_and_strips_the_check_numbers():
     engine = FakeEngine(lambda v: v * 2, num_workers=3)
-    engine.attach('bn0', 'bn', 4)
-    engine.attach('bn0', 'bn', 4)  # idempotent: one slot per layer
+    engine.attach('bn0', 'bn', 9, 8)
+    engine.attach('bn0', 'bn', 9, 8)  # idempotent: one slot per layer
     assert engine.inits == [(0, 2 + 9, 2 + 8)]
-    total = engine.allreduce('bn0', ('fwd', 0, 0), forward_vector(4), timeout=5)
+    total = engine.allreduce('bn0', ('fwd', 0, 0), forward_vector(4), 4, timeout=5)
     np.testing.assert_array_equal(total, forward_vector(4, 3.0))
     assert not engine.fatal
 
@@ -92,20 +92,20 @@ def test_sums_with_other_workers_and_strips_the_check_numbers():
 ])
 def test_disagreeing_workers_are_a_fatal_error_not_a_wrong_mean(others, expected):
     engine = FakeEngine(others)
-    engine.attach('bn0', 'bn', 3)
+    engine.attach('bn0', 'bn', 7, 6)
     with pytest.raises(SyncBatchNormError, match=expected):
-        engine.allreduce('bn0', ('fwd', 0, 5), forward_vector(3), timeout=5)
+        engine.allreduce('bn0', ('fwd', 0, 5), forward_vector(3), 3, timeout=5)
     assert len(engine.fatal) == 1
     with pytest.raises(SyncBatchNormError, match='cannot resume'):
-        engine.allreduce('bn0', ('fwd', 0, 6), forward_vector(3), timeout=5)
+        engine.allreduce('bn0', ('fwd', 0, 6), forward_vector(3), 3, timeout=5)
 
 
 def test_a_reduction_that_never_completes_times_out():
     engine = FakeEngine(lambda v: None)
-    engine.attach('bn0', 'bn', 3)
+    engine.attach('bn0', 'bn', 7, 6)
     start = time.monotonic()
     with pytest.raises(SyncBatchNormTimeout, match='worker 0 of 2 waited 0.3s'):
-        engine.allreduce('bn0', ('bwd', 0, 7), np.ones(6), timeout=0.3)
+        engine.allreduce('bn0', ('bwd', 0, 7), np.ones(6), 3, timeout=0.3)
     assert time.monotonic() - start < 2
     assert len(engine.fatal) == 1
 
@@ -114,9 +114,9 @@ def test_engine_errors_are_wrapped_with_the_likely_cause():
     def fail(_):
         raise RuntimeError('Horovod has been shut down')
     engine = FakeEngine(fail)
-    engine.attach('bn0', 'bn', 3)
+    engine.attach('bn0', 'bn', 7, 6)
     with pytest.raises(SyncBatchNormError, match='Another worker probably died'):
-        engine.allreduce('bn0', ('fwd', 0, 0), forward_vector(3), timeout=5)
+        engine.allreduce('bn0', ('fwd', 0, 0), forward_vector(3), 3, timeout=5)
 
 
 def test_an_aborted_step_breaks_cross_process_sync_except_at_exit():
@@ -124,7 +124,7 @@ def test_an_aborted_step_breaks_cross_process_sync_except_at_exit():
     engine = FakeEngine(lambda v: v)
     session.add_abort_listener(engine.fail_on_abort)
     session.abort(SyncBatchNormError('exiting'), exiting=True)
-    engine.attach('bn0', 'bn', 3)
+    engine.attach('bn0', 'bn', 7, 6)
     session.abort(SyncBatchNormError('exiting'), exiting=True)
     assert not engine.fatal
     session.abort(SyncBatchNormError('bad input on cpu(1)'))

@@ -108,7 +108,7 @@ def _declare(lib):
     c = ctypes
     lib.gsbn_register.argtypes = [c.c_char_p, c.c_char_p]
     lib.gsbn_group_create.argtypes = [c.c_char_p, c.c_char_p, c.c_char_p, c.c_int, c.c_double,
-                                      c.c_char_p]
+                                      c.c_char_p, c.POINTER(c.c_int), c.c_int]
     lib.gsbn_group_create.restype = None
     lib.gsbn_group_set_running.argtypes = [c.c_char_p, c.c_int, c.c_void_p, c.c_void_p]
     lib.gsbn_group_set_running.restype = None

@@ -60,6 +60,8 @@ typedef std::tuple<int, uint64_t, int64_t> Key;  // (0 fwd / 1 bwd, token, call 
 struct Group {
   std::string name, hint;
   std::vector<std::string> devices;
+  std::vector<int> subgroup;  // each device's sync group (sync_groups), 0 by default
+  int num_subgroups = 1;
   double timeout;
   uint64_t counter_token = 0;
   std::vector<int64_t> next_call;
@@ -143,13 +145,17 @@ bool exchange(Group& g, const Key& key, int device, std::vector<double> value,
           : "SyncBatchNorm '" + g.name + "': devices disagree on the channel count: " + what +
                 ". Every device must feed the same number of channels.";
     } else {
-      ex->result.assign(size, 0.0);
+      // One sum per sync group, each in device order (the same rounding
+      // whatever the arrival order); a device takes its group's.
+      ex->result.assign(g.num_subgroups * size, 0.0);
       for (int i = 0; i < n; ++i)
-        for (size_t j = 0; j < size; ++j) ex->result[j] += ex->values[i][j];
-      if (std::get<0>(key) == 0 && ex->result[0] <= 0) {  // FORWARD: n
-        failure = "SyncBatchNorm '" + g.name + "': every device's slice of this batch is "
-                  "empty; there is nothing to normalize. Skip empty batches.";
-      } else {
+        for (size_t j = 0; j < size; ++j) ex->result[g.subgroup[i] * size + j] += ex->values[i][j];
+      for (int s = 0; s < g.num_subgroups && failure.empty(); ++s)
+        if (std::get<0>(key) == 0 && ex->result[s * size] <= 0)  // FORWARD: n
+          failure = "SyncBatchNorm '" + g.name + "': every device's slice of this batch is "
+                    "empty" + (g.num_subgroups > 1 ? " in sync group " + std::to_string(s) : "") +
+                    "; there is nothing to normalize. Skip empty batches.";
+      if (failure.empty()) {
         ex->done = true;
         ex->cv.notify_all();
       }
@@ -183,7 +189,9 @@ bool exchange(Group& g, const Key& key, int device, std::vector<double> value,
     *error = ex->error;
     return false;
   }
-  *result = ex->result;
+  const size_t size = ex->result.size() / g.num_subgroups;
+  result->assign(ex->result.begin() + g.subgroup[device] * size,
+                 ex->result.begin() + (g.subgroup[device] + 1) * size);
   return true;
 }
 

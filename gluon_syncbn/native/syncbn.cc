@@ -64,14 +64,18 @@ int gsbn_register(const char* host_type, const char* device_type) {
   return MXCustomOpRegister(host_type, host_prop) || MXCustomOpRegister(device_type, device_prop);
 }
 
+// A layer's devices (NUL-separated names) and each one's sync group.
 void gsbn_group_create(const char* id, const char* name, const char* devices, int num_devices,
-                       double timeout, const char* hint) {
+                       double timeout, const char* hint, const int* subgroups,
+                       int num_subgroups) {
   auto g = std::make_shared<Group>();
   g->name = name;
   g->hint = hint;
   g->timeout = timeout;
   const char* d = devices;  // num_devices NUL-separated names
   for (int i = 0; i < num_devices; ++i, d += std::strlen(d) + 1) g->devices.emplace_back(d);
+  g->subgroup.assign(subgroups, subgroups + num_devices);
+  g->num_subgroups = num_subgroups;
   g->next_call.assign(num_devices, 0);
   std::lock_guard<std::mutex> lock(g_mutex);
   g_groups[id] = g;
