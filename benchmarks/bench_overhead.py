@@ -41,7 +41,8 @@ def worker(cfg):
     import numpy as np
     import gluon_syncbn
     n = cfg['n']
-    gluon_syncbn.configure_cpu_contexts(n)  # every variant under the same settings
+    # every variant under the same settings
+    gluon_syncbn.configure_cpu_contexts(n, temp_slots=cfg.get('temp_slots'))
     import mxnet as mx
     from mxnet import autograd, gluon
 
@@ -86,7 +87,8 @@ def worker(cfg):
 def measure(n, hybridize, args):
     """Median step times for every variant of one (N, mode), or why there are none."""
     cfg = dict(n=n, hybridize=hybridize, steps=args.steps, warmup=args.warmup,
-               sync_timeout=args.sync_timeout, variants=list(VARIANTS))
+               sync_timeout=args.sync_timeout, variants=list(VARIANTS),
+               temp_slots=args.temp_slots)
     operator, _, device = args.operator.partition('-')
     env = dict(os.environ, GLUON_SYNCBN_OPERATOR=operator,
                GLUON_SYNCBN_DEVICE_PATH='1' if device else '0')
@@ -138,14 +140,19 @@ def main():
                         choices=['native', 'python', 'native-device', 'python-device'],
                         help="gluon_syncbn's operator (GLUON_SYNCBN_OPERATOR), and '-device' "
                              "for the GPU path (GLUON_SYNCBN_DEVICE_PATH=1)")
+    parser.add_argument('--temp-slots', type=int, default=None,
+                        help='configure_cpu_contexts(N, temp_slots=...): the default '
+                             '(1024 at N = 8) is too few for three such nets in one process')
     parser.add_argument('--out', default=os.path.join(HERE, 'results_overhead'))
     args = parser.parse_args()
     lines = ['Measured %s, MXNet 1.9.1 CPU wheel, %s CPUs, CPU contexts, gluon_syncbn\'s %s '
-             'operator, every process under `configure_cpu_contexts(N)`. %d x (conv 1x1 + BN + '
+             'operator, every process under `configure_cpu_contexts(N%s)`. %d x (conv 1x1 + BN + '
              'relu) on (2, 16, 2, 2) per device, forward + backward + waitall, medians of %d '
              'interleaved steps; in brackets: ratio to plain nn.BatchNorm in the same process, '
              'and milliseconds added per BN call per device.'
-             % (time.strftime('%Y-%m-%d'), os.cpu_count(), args.operator, LAYERS, args.steps),
+             % (time.strftime('%Y-%m-%d'), os.cpu_count(), args.operator,
+                ', temp_slots=%d' % args.temp_slots if args.temp_slots else '', LAYERS,
+                args.steps),
              '',
              '| N | mode | nn.BatchNorm | contrib SyncBatchNorm | gluon_syncbn | ours / contrib |',
              '|---|---|---|---|---|---|']

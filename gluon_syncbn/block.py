@@ -2,7 +2,6 @@
 import os
 import weakref
 
-import numpy as np
 from mxnet import autograd
 from mxnet.gluon import HybridBlock
 from mxnet.gluon.parameter import DeferredInitializationError
@@ -14,12 +13,15 @@ from . import registry
 from .transport import make_transport
 from .engine import check_cpu_contexts, is_naive_engine, mkldnn_active, in_host_memory
 from .hooks import CENTER_OP, request_retrace
+from .mxnet_private import dtype_name, operator_dtype
 from .errors import SyncBatchNormError
 from .groups import check_sync_groups
 
 __all__ = ['SyncBatchNorm']
 
 DEFAULT_TIMEOUT = 180.0
+# Input dtypes whose statistics are computed in (at least) float32.
+LOW_PRECISION = ('float16', 'bfloat16')
 
 
 def default_timeout():
@@ -234,8 +236,8 @@ class SyncBatchNorm(HybridBlock):
         # Like nn.BatchNorm: float16 networks keep float32 parameters. We also
         # remember the network's dtype: a hybridized graph cannot see its input's
         # dtype, and float16 input needs casts around float32 statistics.
-        self._input_dtype = np.dtype(dtype).name
-        if self._input_dtype == 'float16':
+        self._input_dtype = dtype_name(dtype)
+        if self._input_dtype in LOW_PRECISION:
             dtype = 'float32'
         super(SyncBatchNorm, self).cast(dtype)
 
@@ -322,8 +324,8 @@ class SyncBatchNorm(HybridBlock):
             return F.BatchNorm(x, gamma, beta, running_mean, running_var, name='fwd',
                                **dict(self._kwargs, use_global_stats=True))
         group = self._sync_group()
-        dtype = np.dtype(x.dtype if imperative else self._input_dtype)
-        if len(group.devices) == 1 and dtype == np.float32 and not self._transport.cross_process:
+        dtype = dtype_name(x.dtype) if imperative else self._input_dtype
+        if len(group.devices) == 1 and dtype == 'float32' and not self._transport.cross_process:
             # Nothing to synchronize: be nn.BatchNorm, kernel and all. (Its CPU
             # kernel mishandles float64 under MKL-DNN; float16 needs our casts.)
             return F.BatchNorm(x, gamma, beta, running_mean, running_var, name='fwd',
@@ -331,7 +333,7 @@ class SyncBatchNorm(HybridBlock):
         if imperative:
             registry.SESSION.clear_failed_arrays()
             registry.SESSION.check_dtypes(self._group_id, "'%s'" % self.name, str(x.context),
-                                          dtype.name)
+                                          dtype)
         axis = self._kwargs['axis']
         if not imperative and self._static_shape and group.operator != 'python':
             try:
@@ -343,20 +345,20 @@ class SyncBatchNorm(HybridBlock):
             # normalization and running statistics (see native/host_op.h).
             # float16/32 go through float64: the Casts hand the operator x and
             # dy in MXNet's default layout (see mxnet_private.py, "layouts").
-            wide = dtype != np.float64
+            wide = dtype != 'float64'
             out, _ = F.Custom(F.Cast(x, dtype='float64') if wide else x,
                               gamma, beta, running_mean, running_var,
                               op_type=native.HOST_OP_TYPE, group=group.group_id,
                               eps=self._kwargs['eps'], momentum=self._kwargs['momentum'],
                               fix_gamma=self._kwargs['fix_gamma'],
                               static_shape=self._static_shape, axis=axis,
-                              input_dtype=dtype.name, name='sync')
+                              input_dtype=dtype, name='sync')
             # Back to the layer's dtype (a traced graph cannot see x's own:
             # float16 and float64 networks call net.cast(dtype)).
-            return F.Cast(out, dtype=dtype.name) if wide else out
+            return F.Cast(out, dtype=operator_dtype(dtype)) if wide else out
         if imperative and x.size == 0:
             return self._empty_slice(F, x, gamma, beta, running_mean, running_var, group, dtype)
-        half = dtype == np.float16
+        half = dtype in LOW_PRECISION
         # Statistics in at least float32: float16 input is widened, then narrowed back.
         xs = F.Cast(x, dtype='float32') if half else x
         # The fast operators (see _channel_affine and _ChannelMoments) need the
@@ -366,7 +368,7 @@ class SyncBatchNorm(HybridBlock):
         # nets on 4 CPU contexts deadlocked in MXNet's own convolution and
         # FullyConnected (GPUs: untested, so MXNet's broadcast operators there).
         channels = 0
-        if axis == 1 and self._fast_ops and dtype != np.float64:
+        if axis == 1 and self._fast_ops and dtype != 'float64':
             channels = x.shape[axis] if imperative else (self.gamma.shape or (0,))[0]
             if channels == 0:
                 request_retrace()
@@ -402,7 +404,7 @@ class SyncBatchNorm(HybridBlock):
             out = F.squeeze(out, axis=2)
         if axis == 1:
             out = F.reshape_like(out, x)
-        return F.Cast(out, dtype='float16') if half else out
+        return F.Cast(out, dtype=operator_dtype(dtype)) if half else out
 
     def _synchronize(self, F, group, m1, m2, sqdev, shape, gamma, beta, running_mean,
                      running_var, static_shape, row_sums, dtype):
@@ -414,7 +416,7 @@ class SyncBatchNorm(HybridBlock):
             op_type=native.DEVICE_OP_TYPE if group.operator == 'device' else _op.OP_TYPE,
             group=group.group_id, eps=self._kwargs['eps'], momentum=self._kwargs['momentum'],
             fix_gamma=self._kwargs['fix_gamma'], static_shape=static_shape, row_sums=row_sums,
-            input_dtype=dtype.name, name='sync')
+            input_dtype=dtype, name='sync')
         return scale, shift
 
     def _empty_slice(self, F, x, gamma, beta, running_mean, running_var, group, dtype):
@@ -425,11 +427,11 @@ class SyncBatchNorm(HybridBlock):
         axis = self._kwargs['axis'] % x.ndim
         stat_shape = tuple(x.shape[axis] if i == axis else 1 for i in range(x.ndim))
         zeros = F.zeros(stat_shape, ctx=x.context,
-                        dtype='float32' if dtype == np.float16 else dtype.name)
+                        dtype='float32' if dtype in LOW_PRECISION else dtype)
         scale, _ = self._synchronize(F, group, zeros, zeros, zeros, F.shape_array(x), gamma,
                                      beta, running_mean, running_var, False, False, dtype)
         # Not broadcast_add: its backward over a size-0 array segfaults in 1.9.1.
-        return F.broadcast_mul(x, F.Cast(scale, dtype=dtype.name))
+        return F.broadcast_mul(x, F.Cast(scale, dtype=operator_dtype(dtype)))
 
     def __repr__(self):
         s = '{name}({content}'

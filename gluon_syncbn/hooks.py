@@ -26,9 +26,8 @@ import atexit
 import re
 import threading
 
-import numpy as np
-
 from .errors import SyncBatchNormError, take_failures
+from .mxnet_private import dtype_name
 
 __all__ = ['CENTER_OP', 'install_error_text_hook', 'install_record_abort_hook',
            'install_exit_abort_hook', 'install_cached_op_hook', 'request_retrace']
@@ -177,7 +176,7 @@ def install_cached_op_hook(hybrid_block_class, session, is_training):
                 self._gluon_syncbn_layers = (self._cached_op, names)
             if names:
                 session.check_dtypes(id(self), names, str(args[0].context),
-                                     np.dtype(args[0].dtype).name)
+                                     dtype_name(args[0].dtype))
         if names and empty:
             # An empty slice: cached graphs divide by zero on size-0 input
             # (reshape), so this call runs imperatively, where each

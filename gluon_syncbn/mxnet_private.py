@@ -46,6 +46,11 @@ The user's kvstore (``transport._serialize_calls``)
     Its methods are wrapped to take one lock, and ``init``/``broadcast`` drain
     the engine: 1.9.1's dist kvstore keeps per-key buffers in unguarded maps.
 
+bfloat16 (``dtype_name``)
+    MXNet 1.9.1 gives bfloat16 arrays the NumPy dtype
+    ``np.dtype([('bfloat16', np.uint16)])``, whose ``.name`` is ``void16``;
+    its operator wrappers take that dtype (and not the string 'bfloat16').
+
 Engine settings (``engine``)
     ``MXNET_CPU_TEMP_COPY`` and ``MXNET_CPU_PARALLEL_RAND_COPY`` are read once,
     at MXNet's first operator; CPU contexts share those pools.
@@ -55,7 +60,20 @@ import ctypes
 import numpy as np
 from mxnet.base import _LIB, check_call
 
-__all__ = ['host_view']
+__all__ = ['host_view', 'dtype_name', 'operator_dtype']
+
+_BFLOAT16 = np.dtype([('bfloat16', np.uint16)])
+
+
+def dtype_name(dtype):
+    """The name MXNet's operators take for ``dtype`` ('float32', 'bfloat16', ...)."""
+    dtype = np.dtype(dtype)
+    return 'bfloat16' if dtype == _BFLOAT16 else dtype.name
+
+
+def operator_dtype(name):
+    """What an operator's ``dtype=`` argument takes for the dtype ``name``."""
+    return _BFLOAT16 if name == 'bfloat16' else name
 
 
 def host_view(arr):

@@ -400,6 +400,96 @@ def numpy_mode_training(sizes=(2, 2), steps=3, hybridize=False, seed=0):
     return errs
 
 
+@scenario
+def amp_training(sizes=(1, 3), steps=3, hybridize=False, amp=True, save=None, seed=0):
+    """A small conv net with SyncBatchNorm on len(sizes) contexts and the same
+    net with nn.BatchNorm on one context, both under ``amp.init('bfloat16')``
+    (MXNet's AMP on CPU) with AMP's Trainer and loss scaling, from the same
+    weights. Returns worst relative errors of the first step's losses and
+    gradients and of the parameters after ``steps``. ``save``: also write both
+    nets' first-step gradients (unscaled) there; ``amp=False``: the same
+    without AMP, to measure what bfloat16 itself changes."""
+    from mxnet.contrib import amp as mx_amp
+    if amp:
+        mx_amp.init(target_dtype='bfloat16')
+    rng = np.random.RandomState(seed)
+    ctxs = contexts(len(sizes))
+    batch = int(sum(sizes))
+
+    def make(norm):
+        net = gluon.nn.HybridSequential()
+        net.add(gluon.nn.Conv2D(8, 3, padding=1, use_bias=False, in_channels=3), norm(),
+                gluon.nn.Activation('relu'),
+                gluon.nn.Conv2D(8, 3, padding=1, use_bias=False, in_channels=8), norm(),
+                gluon.nn.Activation('relu'), gluon.nn.GlobalAvgPool2D(),
+                gluon.nn.Dense(5, in_units=8))
+        return net
+    mx.random.seed(seed)
+    ref = make(lambda: gluon.nn.BatchNorm(in_channels=8))
+    ref.initialize(mx.init.Xavier(), ctx=mx.cpu(0))
+    net = make(lambda: SyncBatchNorm(in_channels=8))
+    net.initialize(ctx=ctxs)
+    for src, dst in zip(ref.collect_params().values(), net.collect_params().values()):
+        dst.set_data(src.data())
+    if hybridize:
+        for n in (ref, net):
+            n.hybridize(static_alloc=hybridize == 'static', static_shape=hybridize == 'static')
+    loss_fn = gluon.loss.SoftmaxCrossEntropyLoss()
+    opt = {'learning_rate': 0.1, 'momentum': 0.9}
+    trainer = gluon.Trainer(net.collect_params(), 'sgd', dict(opt))
+    ref_trainer = gluon.Trainer(ref.collect_params(), 'sgd', dict(opt))
+    if amp:
+        mx_amp.init_trainer(trainer)
+        mx_amp.init_trainer(ref_trainer)
+    errs = WorstErrors()
+    for step in range(steps):
+        x = rng.randn(batch, 3, 8, 8).astype(np.float32)
+        label = rng.randint(0, 5, batch).astype(np.float32)
+        xs = [mx.nd.array(p, ctx=c) for p, c in zip(split_batch(x, sizes), ctxs)]
+        ls = [mx.nd.array(p, ctx=c) for p, c in zip(split_batch(label, sizes), ctxs)]
+        with autograd.record():
+            losses = [loss_fn(net(a), b) for a, b in zip(xs, ls)]
+            if amp:
+                with mx_amp.scale_loss(losses, trainer) as scaled:
+                    autograd.backward(scaled)
+            else:
+                autograd.backward(losses)
+        with autograd.record():
+            ref_loss = loss_fn(ref(mx.nd.array(x)), mx.nd.array(label))
+            if amp:
+                with mx_amp.scale_loss(ref_loss, ref_trainer) as scaled:
+                    scaled.backward()
+            else:
+                ref_loss.backward()
+        if step == 0:
+            errs.note('loss', np.concatenate([l.asnumpy() for l in losses]), ref_loss.asnumpy())
+            scale = trainer._amp_loss_scaler.loss_scale if amp else 1.0
+            grads = {}
+            for i, ((name, p), rp) in enumerate(zip(net.collect_params().items(),
+                                                   ref.collect_params().values())):
+                if p.grad_req == 'null':
+                    continue
+                ours = sum(p.grad(c).asnumpy().astype(np.float64) for c in ctxs)
+                errs.note('grad', ours, rp.grad().asnumpy())
+                grads['ours%d' % i] = ours / scale
+                grads['ref%d' % i] = rp.grad().asnumpy().astype(np.float64) / scale
+            if save:
+                np.savez(save, **grads)
+            errs['amp_output_dtype'] = dtype_of(losses[0])
+        trainer.step(batch)
+        ref_trainer.step(batch)
+    for p, rp in zip(net.collect_params().values(), ref.collect_params().values()):
+        for c in ctxs:
+            errs.note('running' if 'running' in p.name else 'param', p.data(c).asnumpy(),
+                      rp.data().asnumpy())
+    return errs
+
+
+def dtype_of(arr):
+    from gluon_syncbn.mxnet_private import dtype_name
+    return dtype_name(arr.dtype)
+
+
 # ---------------------------------------------------------------- faults
 def _step(net, arrays):
     """One training step's forward and backward; returns the outputs as NumPy."""
