@@ -361,6 +361,11 @@ class SyncBatchNorm(HybridBlock):
         half = dtype in LOW_PRECISION
         # Statistics in at least float32: float16 input is widened, then narrowed back.
         xs = F.Cast(x, dtype='float32') if half else x
+        if not imperative and dtype == 'float32' and not group.host_memory:
+            # Under AMP (amp.init()) a traced graph is fed float16 it cannot
+            # see: amp_cast widens float16/bfloat16 and leaves float32 alone.
+            # (Not for float64 networks: on CPU it is MKL-DNN's and refuses it.)
+            xs = F.amp_cast(x, dtype='float32')
         # The fast operators (see _channel_affine and _ChannelMoments) need the
         # channel count: known in imperative mode; while a deferred-init graph
         # is traced, not yet, so the graph is traced once more after its first

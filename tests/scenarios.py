@@ -485,6 +485,53 @@ def amp_training(sizes=(1, 3), steps=3, hybridize=False, amp=True, save=None, se
     return errs
 
 
+@scenario
+def amp_float16_layer(sizes=(2, 3), hybridize=False, seed=0):
+    """What ``amp.init()`` (float16, the GPU setting) feeds the layer, on CPU
+    contexts: a BN-relu-BN net (CPU has no float16 convolution) on float16
+    input vs the same net with nn.BatchNorm on one context under the same AMP.
+    Run with GLUON_SYNCBN_DEVICE_PATH=1 it exercises the GPU path's code."""
+    from mxnet.contrib import amp as mx_amp
+    mx_amp.init(target_dtype='float16')
+    rng = np.random.RandomState(seed)
+    ctxs = contexts(len(sizes))
+
+    def make(norm):
+        net = gluon.nn.HybridSequential()
+        net.add(norm(), gluon.nn.Activation('relu'), norm())
+        return net
+    ref = make(lambda: gluon.nn.BatchNorm(in_channels=4))
+    ref.initialize(ctx=mx.cpu(0))
+    net = make(lambda: SyncBatchNorm(in_channels=4))
+    net.initialize(ctx=ctxs)
+    if hybridize:
+        for n in (ref, net):
+            n.hybridize(static_alloc=hybridize == 'static', static_shape=hybridize == 'static')
+    errs = WorstErrors()
+    for _ in range(2):
+        x = (rng.randn(sum(sizes), 4, 6, 6) * 3 + 2).astype(np.float16)
+        dy = rng.randn(*x.shape).astype(np.float16)
+        xs = [mx.nd.array(p, ctx=c, dtype='float16') for p, c in zip(split_batch(x, sizes), ctxs)]
+        for a in xs:
+            a.attach_grad()
+        with autograd.record():
+            ys = [net(a) for a in xs]
+        autograd.backward(ys, [mx.nd.array(p, ctx=c, dtype='float16')
+                               for p, c in zip(split_batch(dy, sizes), ctxs)])
+        xf = mx.nd.array(x, dtype='float16')
+        xf.attach_grad()
+        with autograd.record():
+            yf = ref(xf)
+        yf.backward(mx.nd.array(dy, dtype='float16'))
+        errs.note('y', np.concatenate([a.asnumpy() for a in ys]), yf.asnumpy())
+        errs.note('dx', np.concatenate([a.grad.asnumpy() for a in xs]), xf.grad.asnumpy())
+        errs['dx_dtype_ok'] = float(all(a.grad.dtype == np.float16 for a in xs))
+        for c in ctxs:
+            errs.note('running', net[0].running_mean.data(c).asnumpy(),
+                      ref[0].running_mean.data().asnumpy())
+    return errs
+
+
 def dtype_of(arr):
     from gluon_syncbn.mxnet_private import dtype_name
     return dtype_name(arr.dtype)

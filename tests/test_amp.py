@@ -1,10 +1,14 @@
-"""SyncBatchNorm under MXNet's AMP (bfloat16 on CPU): a Trainer loop with loss
-scaling trains; its first-step gradients are as close to the float32 answer
-as nn.BatchNorm's under the same AMP settings on the concatenated batch.
+"""SyncBatchNorm under MXNet's AMP.
 
-bfloat16 keeps 8 significant bits, and rounding at every layer moves even
-nn.BatchNorm's gradients by up to ~13% (worst parameter, relative to its
-largest gradient) in this net; that is the bound we hold ours to (x2)."""
+bfloat16 (the CPU setting): a Trainer loop with loss scaling trains; its
+first-step gradients are as close to the float32 answer as nn.BatchNorm's
+under the same AMP settings on the concatenated batch. bfloat16 keeps 8
+significant bits, and rounding at every layer moves even nn.BatchNorm's
+gradients by up to ~13% (worst parameter, relative to its largest gradient)
+in this net; that is the bound we hold ours to (x2).
+
+float16 (the GPU setting): outputs and input gradients within a few float16
+roundoffs of nn.BatchNorm's under the same AMP settings."""
 import numpy as np
 import pytest
 
@@ -41,3 +45,16 @@ def test_bfloat16_amp_is_as_close_to_float32_as_nn_batchnorm(float32_gradients, 
     assert ours < 2 * plain, (ours, plain, errs)
     assert errs['loss'] < 4e-3  # bfloat16's unit roundoff: 2^-8
     assert errs['running'] < 2e-2 and errs['param'] < 0.1, errs  # 3 SGD steps later
+
+
+@pytest.mark.parametrize('path', ['native', 'native-device', 'python-device'])
+@pytest.mark.parametrize('hybridize', MODES)
+def test_float16_amp_the_gpu_setting_matches_nn_batchnorm(monkeypatch, path, hybridize):
+    # amp.init() with float16, as on GPUs, on a net without convolutions (CPU
+    # has none in float16); the '-device' paths run the GPU path's code.
+    for name, value in PATHS[path].items():
+        monkeypatch.setenv(name, value)
+    errs = run_scenario('amp_float16_layer', timeout=120, hybridize=hybridize)
+    assert errs['y'] < 2e-3 and errs['dx'] < 3e-3, errs  # float16 roundoff: 4.9e-4
+    assert errs['dx_dtype_ok'] == 1.0
+    assert errs['running'] < 1e-5, errs
