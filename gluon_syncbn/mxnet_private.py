@@ -41,6 +41,20 @@ Class patches (``hooks``)
     ``MXNetError.__init__``, ``autograd._RecordingStateScope.__enter__`` and
     ``__exit__``, ``HybridBlock._call_cached_op``, and an ``atexit`` handler
     that must run before MXNet's own.
+    ``HybridBlock._active`` is lowered for one call with an empty input, so
+    the tree runs imperatively (``hooks._forward_imperatively``).
+
+Size-0 arrays (``block._empty_slice``, the operators)
+    ``reshape`` with -1 divides by zero, reductions give NaN forward and leave
+    their gradient outputs unwritten, ``broadcast_add``'s backward segfaults.
+
+NumPy mode (``block``)
+    ``as_nd_ndarray()``/``as_np_ndarray()`` are views that keep the autograd
+    entry (``MXShallowCopyNDArray``).
+
+AMP (``block``)
+    ``Custom`` and ``Cast`` are on AMP's float32 lists; ``amp_cast`` widens
+    float16/bfloat16 only, and on CPU is MKL-DNN's (refuses float64).
 
 The user's kvstore (``transport._serialize_calls``)
     Its methods are wrapped to take one lock, and ``init``/``broadcast`` drain

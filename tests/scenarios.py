@@ -343,6 +343,35 @@ def train_vs_single_device(arch='conv', sizes=(2, 2), steps=3, hybridize=False, 
     return errs
 
 
+def _twin_nets(reference_norm, sync_norm, ctxs, hybridize):
+    """A small conv net (2 x conv+BN+relu, pooling, dense) with ``reference_norm``
+    on one context and, from the same weights, with ``sync_norm`` on ``ctxs``
+    (None: the reference's layers converted with convert_model); both
+    hybridized alike; and an SGD Trainer for each."""
+    from gluon_syncbn import convert_model
+
+    def make(norm):
+        net = gluon.nn.HybridSequential()
+        net.add(gluon.nn.Conv2D(8, 3, padding=1, use_bias=False, in_channels=3), norm(),
+                gluon.nn.Activation('relu'),
+                gluon.nn.Conv2D(8, 3, padding=1, use_bias=False, in_channels=8), norm(),
+                gluon.nn.Activation('relu'), gluon.nn.GlobalAvgPool2D(),
+                gluon.nn.Dense(5, in_units=8))
+        return net
+    ref = make(reference_norm)
+    ref.initialize(mx.init.Xavier(), ctx=mx.cpu(0))
+    net = make(sync_norm) if sync_norm else convert_model(make(reference_norm))
+    net.initialize(ctx=ctxs)
+    for src, dst in zip(ref.collect_params().values(), net.collect_params().values()):
+        dst.set_data(src.data())
+    if hybridize:
+        for n in (ref, net):
+            n.hybridize(static_alloc=hybridize == 'static', static_shape=hybridize == 'static')
+    opt = {'learning_rate': 0.1, 'momentum': 0.9}
+    return (ref, net, gluon.Trainer(ref.collect_params(), 'sgd', dict(opt)),
+            gluon.Trainer(net.collect_params(), 'sgd', dict(opt)))
+
+
 @scenario
 def numpy_mode_training(sizes=(2, 2), steps=3, hybridize=False, seed=0):
     """Under ``npx.set_np()``: a small net built with nn.BatchNorm, converted
@@ -350,32 +379,13 @@ def numpy_mode_training(sizes=(2, 2), steps=3, hybridize=False, seed=0):
     unconverted net on one context on the concatenated batch, from the same
     weights. Returns worst relative errors of losses, parameters and running
     statistics over all steps."""
-    from gluon_syncbn import convert_model
     rng = np.random.RandomState(seed)
     ctxs = contexts(len(sizes))
     batch = int(sum(sizes))
     with mx.util.np_shape(True), mx.util.np_array(True):
-        def make():
-            net = gluon.nn.HybridSequential()
-            net.add(gluon.nn.Conv2D(8, 3, padding=1, use_bias=False, in_channels=3),
-                    gluon.nn.BatchNorm(in_channels=8), gluon.nn.Activation('relu'),
-                    gluon.nn.Conv2D(8, 3, padding=1, use_bias=False, in_channels=8),
-                    gluon.nn.BatchNorm(in_channels=8), gluon.nn.Activation('relu'),
-                    gluon.nn.GlobalAvgPool2D(), gluon.nn.Dense(5, in_units=8))
-            return net
-        ref = make()
-        ref.initialize(mx.init.Xavier(), ctx=mx.cpu(0))
-        net = convert_model(make())
-        net.initialize(ctx=ctxs)
-        for src, dst in zip(ref.collect_params().values(), net.collect_params().values()):
-            dst.set_data(src.data())
-        if hybridize:
-            for n in (ref, net):
-                n.hybridize(static_alloc=hybridize == 'static', static_shape=hybridize == 'static')
+        ref, net, ref_trainer, trainer = _twin_nets(
+            lambda: gluon.nn.BatchNorm(in_channels=8), None, ctxs, hybridize)
         loss_fn = gluon.loss.SoftmaxCrossEntropyLoss()
-        opt = {'learning_rate': 0.1, 'momentum': 0.9}
-        ref_trainer = gluon.Trainer(ref.collect_params(), 'sgd', dict(opt))
-        trainer = gluon.Trainer(net.collect_params(), 'sgd', dict(opt))
         errs = WorstErrors()
         for _ in range(steps):
             x = rng.randn(batch, 3, 6, 6).astype(np.float32)
@@ -415,29 +425,11 @@ def amp_training(sizes=(1, 3), steps=3, hybridize=False, amp=True, save=None, se
     rng = np.random.RandomState(seed)
     ctxs = contexts(len(sizes))
     batch = int(sum(sizes))
-
-    def make(norm):
-        net = gluon.nn.HybridSequential()
-        net.add(gluon.nn.Conv2D(8, 3, padding=1, use_bias=False, in_channels=3), norm(),
-                gluon.nn.Activation('relu'),
-                gluon.nn.Conv2D(8, 3, padding=1, use_bias=False, in_channels=8), norm(),
-                gluon.nn.Activation('relu'), gluon.nn.GlobalAvgPool2D(),
-                gluon.nn.Dense(5, in_units=8))
-        return net
     mx.random.seed(seed)
-    ref = make(lambda: gluon.nn.BatchNorm(in_channels=8))
-    ref.initialize(mx.init.Xavier(), ctx=mx.cpu(0))
-    net = make(lambda: SyncBatchNorm(in_channels=8))
-    net.initialize(ctx=ctxs)
-    for src, dst in zip(ref.collect_params().values(), net.collect_params().values()):
-        dst.set_data(src.data())
-    if hybridize:
-        for n in (ref, net):
-            n.hybridize(static_alloc=hybridize == 'static', static_shape=hybridize == 'static')
+    ref, net, ref_trainer, trainer = _twin_nets(
+        lambda: gluon.nn.BatchNorm(in_channels=8), lambda: SyncBatchNorm(in_channels=8), ctxs,
+        hybridize)
     loss_fn = gluon.loss.SoftmaxCrossEntropyLoss()
-    opt = {'learning_rate': 0.1, 'momentum': 0.9}
-    trainer = gluon.Trainer(net.collect_params(), 'sgd', dict(opt))
-    ref_trainer = gluon.Trainer(ref.collect_params(), 'sgd', dict(opt))
     if amp:
         mx_amp.init_trainer(trainer)
         mx_amp.init_trainer(ref_trainer)

@@ -147,3 +147,9 @@ def test_networks_with_equal_prefixes_do_not_share_barriers():
     r = run_scenario('same_prefix_networks', timeout=120)
     assert r['same_names'] == 1.0
     assert r['max_err'] < 1e-5
+
+
+def test_convert_model_passes_sync_groups_to_every_layer():
+    net = convert_model(vision.resnet18_v1(), sync_groups=[[0, 2], [1, 3]])
+    found = layers(net, SyncBatchNorm)
+    assert len(found) == 20 and all(b._sync_groups == ((0, 2), (1, 3)) for b in found)

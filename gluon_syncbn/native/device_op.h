@@ -206,9 +206,8 @@ const char* DEVICE_AUXS[] = {"running_mean", "running_var", nullptr};
 // Order of shapes: the 6 arguments | scale, shift, info | running_mean, running_var.
 int device_infer_shape(int num, int* ndims, int** shapes, void* state) {
   Prop& p = *static_cast<Prop*>(state);
-  std::string error;
-  auto group = find_group(p.params.group_id, &error);
-  if (!group) return fail("SyncBatchNormError", error);
+  auto group = prop_group(state);
+  if (!group) return 0;
   if (ndims[kMean] <= 0) return 1;  // not known yet
   int channels = 1;
   for (int i = 0; i < ndims[kMean]; ++i) channels *= shapes[kMean][i];

@@ -175,9 +175,8 @@ const char* HOST_AUXS[] = {"running_mean", "running_var", nullptr};
 // Order of shapes: data, gamma, beta | output, info | running_mean, running_var.
 int host_infer_shape(int num, int* ndims, int** shapes, void* state) {
   Prop& p = *static_cast<Prop*>(state);
-  std::string error;
-  auto group = find_group(p.params.group_id, &error);
-  if (!group) return fail("SyncBatchNormError", error);
+  auto group = prop_group(state);
+  if (!group) return 0;
   const int ndim = ndims[0];
   if (ndim <= 0) return 1;  // not known yet
   if (ndim < 2 || ndim > 5)

@@ -84,6 +84,14 @@ struct Prop {
   void* contexts[10];
 };
 
+// The group of a property's layer, or null with the error recorded.
+std::shared_ptr<Group> prop_group(void* state) {
+  std::string error;
+  auto group = find_group(static_cast<Prop*>(state)->params.group_id, &error);
+  if (!group) fail("SyncBatchNormError", error);
+  return group;
+}
+
 std::string layer_name(const Params& p) {
   std::string error;
   auto group = find_group(p.group_id, &error);
