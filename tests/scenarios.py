@@ -279,12 +279,14 @@ def copy_params(src, dst):
 
 @scenario
 def train_vs_single_device(arch='conv', sizes=(2, 2), steps=3, hybridize=False, optimizer='sgd',
-                           image=8, seed=0, compare=True, reference='plain', **arch_kwargs):
+                           image=8, seed=0, compare=True, reference='plain', dtype='float32',
+                           **arch_kwargs):
     """Train with SyncBN on len(sizes) contexts and, from the same weights, the
     reference on one context on the concatenated batch: nn.BatchNorm in float64
     (``reference='float64'``), in float32 (``'plain'``), or SyncBatchNorm itself
-    (``'sync'``). Returns worst relative errors of losses, parameters and running
-    statistics over all steps."""
+    (``'sync'``). ``dtype='float64'``: the SyncBatchNorm net in float64 too.
+    Returns worst relative errors of losses, parameters and running statistics
+    over all steps."""
     rng = np.random.RandomState(seed)
     mx.random.seed(seed)
     ctxs = contexts(len(sizes))
@@ -302,6 +304,8 @@ def train_vs_single_device(arch='conv', sizes=(2, 2), steps=3, hybridize=False, 
     net(x0.as_in_context(ctxs[0]))
     copy_params(ref, net)
     ref.cast(ref_dtype)
+    if dtype != 'float32':
+        net.cast(dtype)  # the SyncBatchNorm net in float64 too (see test_networks)
     if hybridize:
         ref.hybridize(static_alloc=hybridize == 'static', static_shape=hybridize == 'static')
         net.hybridize(static_alloc=hybridize == 'static', static_shape=hybridize == 'static')
@@ -313,8 +317,8 @@ def train_vs_single_device(arch='conv', sizes=(2, 2), steps=3, hybridize=False, 
     for _ in range(steps):
         x = rng.randn(batch, 3, image, image).astype(np.float32)
         label = rng.randint(0, 5, batch).astype(np.float32)
-        xs = [mx.nd.array(p, ctx=c) for p, c in zip(split_batch(x, sizes), ctxs)]
-        ls = [mx.nd.array(p, ctx=c) for p, c in zip(split_batch(label, sizes), ctxs)]
+        xs = [mx.nd.array(p, ctx=c, dtype=dtype) for p, c in zip(split_batch(x, sizes), ctxs)]
+        ls = [mx.nd.array(p, ctx=c, dtype=dtype) for p, c in zip(split_batch(label, sizes), ctxs)]
         with autograd.record():
             losses = [loss_fn(net(a), b) for a, b in zip(xs, ls)]
         autograd.backward(losses)
@@ -437,8 +441,8 @@ def amp_training(sizes=(1, 3), steps=3, hybridize=False, amp=True, save=None, se
     for step in range(steps):
         x = rng.randn(batch, 3, 8, 8).astype(np.float32)
         label = rng.randint(0, 5, batch).astype(np.float32)
-        xs = [mx.nd.array(p, ctx=c) for p, c in zip(split_batch(x, sizes), ctxs)]
-        ls = [mx.nd.array(p, ctx=c) for p, c in zip(split_batch(label, sizes), ctxs)]
+        xs = [mx.nd.array(p, ctx=c, dtype=dtype) for p, c in zip(split_batch(x, sizes), ctxs)]
+        ls = [mx.nd.array(p, ctx=c, dtype=dtype) for p, c in zip(split_batch(label, sizes), ctxs)]
         with autograd.record():
             losses = [loss_fn(net(a), b) for a, b in zip(xs, ls)]
             if amp:
