@@ -166,10 +166,14 @@ class SyncBatchNorm(HybridBlock):
         groups must tile the devices. None: one group of all.
 
     Inputs:
-        - **data**: input of 2 to 5 dimensions, float16, float32 or float64.
+        - **data**: input of 2 to 5 dimensions, float16, bfloat16, float32 or
+          float64; an ``mx.np.ndarray`` in NumPy mode. A slice may be empty
+          (0 samples, in NumPy shape mode): it takes part with count 0.
 
     Outputs:
-        - **out**: output of the same shape and dtype as `data`.
+        - **out**: output of the same shape and dtype as `data` (a hybridized
+          graph returns float32 for float16 input unless the network was cast
+          with ``net.cast('float16')``: under AMP, AMP casts it onwards).
 
     Notes
     -----

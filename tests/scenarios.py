@@ -441,8 +441,8 @@ def amp_training(sizes=(1, 3), steps=3, hybridize=False, amp=True, save=None, se
     for step in range(steps):
         x = rng.randn(batch, 3, 8, 8).astype(np.float32)
         label = rng.randint(0, 5, batch).astype(np.float32)
-        xs = [mx.nd.array(p, ctx=c, dtype=dtype) for p, c in zip(split_batch(x, sizes), ctxs)]
-        ls = [mx.nd.array(p, ctx=c, dtype=dtype) for p, c in zip(split_batch(label, sizes), ctxs)]
+        xs = [mx.nd.array(p, ctx=c) for p, c in zip(split_batch(x, sizes), ctxs)]
+        ls = [mx.nd.array(p, ctx=c) for p, c in zip(split_batch(label, sizes), ctxs)]
         with autograd.record():
             losses = [loss_fn(net(a), b) for a, b in zip(xs, ls)]
             if amp:
