@@ -13,7 +13,8 @@ import mxnet as _mx  # noqa: E402
 
 from .errors import SyncBatchNormError, SyncBatchNormTimeout  # noqa: E402
 from .hooks import (install_error_text_hook, install_exit_abort_hook,  # noqa: E402
-                    install_record_abort_hook, install_cached_op_hook)
+                    install_record_abort_hook, install_cached_op_hook,
+                    install_trainer_hook)
 from .block import SyncBatchNorm  # noqa: E402
 from .convert import convert_model, revert_model  # noqa: E402
 from .registry import SESSION as _SESSION  # noqa: E402
@@ -23,6 +24,7 @@ install_record_abort_hook(_mx.autograd._RecordingStateScope, _SESSION,
                           _mx.autograd.is_recording, _mx.autograd.is_training)
 install_exit_abort_hook(_SESSION, _mx.nd.waitall)
 install_cached_op_hook(_mx.gluon.HybridBlock, _SESSION, _mx.autograd.is_training)
+install_trainer_hook(_mx.gluon.Trainer, _SESSION, _mx.nd.waitall)
 
 
 def reset():

@@ -16,6 +16,12 @@
   the channel count); it asks for one re-trace, done after that first call.
   And before a cached graph's calls are issued, the errors an aborted step left
   on the layers' arrays are cleared (the block does it in imperative mode).
+* A Trainer's first step broadcasts every parameter from device 0, running
+  statistics included. In static_shape graphs those are written by engine
+  operations our operators push from their callbacks, so some devices' writes
+  can land before the broadcast and some after: replicas then differ (seen in
+  1 of 3 runs of the static test nets). Before that first broadcast we wait
+  for the engine, once, if any layer has synchronized.
 * At interpreter exit MXNet's own ``atexit`` handler stops the custom-operator
   threads and then waits for the engine; a SyncBatchNorm call still waiting, or
   failing, at that moment wedged it (2 of 3 runs hung). Ours, registered after
@@ -30,7 +36,8 @@ from .errors import SyncBatchNormError, take_failures
 from .mxnet_private import dtype_name
 
 __all__ = ['CENTER_OP', 'install_error_text_hook', 'install_record_abort_hook',
-           'install_exit_abort_hook', 'install_cached_op_hook', 'request_retrace']
+           'install_exit_abort_hook', 'install_cached_op_hook', 'install_trainer_hook',
+           'request_retrace']
 
 _CUSTOM_OP_MARKERS = ('kCustomOpForward', 'kCustomOpBackward', 'kCustomOpProp')
 
@@ -190,3 +197,19 @@ def install_cached_op_hook(hybrid_block_class, session, is_training):
 
     hybrid_block_class._call_cached_op = _call_cached_op
     hybrid_block_class._gluon_syncbn_cached_op_hooked = True
+
+
+def install_trainer_hook(trainer_class, session, waitall):
+    """Drain the engine before a Trainer's first broadcast of its parameters
+    (see the module docstring), when any SyncBatchNorm layer has synchronized."""
+    if getattr(trainer_class, '_gluon_syncbn_trainer_hooked', False):
+        return
+    original = trainer_class._init_params
+
+    def _init_params(self):
+        if session.active() and self._params_to_init:
+            waitall()  # running statistics written by pending engine operations
+        return original(self)
+
+    trainer_class._init_params = _init_params
+    trainer_class._gluon_syncbn_trainer_hooked = True

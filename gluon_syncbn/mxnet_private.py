@@ -43,6 +43,8 @@ Class patches (``hooks``)
     that must run before MXNet's own.
     ``HybridBlock._active`` is lowered for one call with an empty input, so
     the tree runs imperatively (``hooks._forward_imperatively``).
+    ``Trainer._init_params`` (the first step's broadcast of every parameter
+    from device 0) first drains the engine (``hooks.install_trainer_hook``).
 
 Size-0 arrays (``block._empty_slice``, the operators)
     ``reshape`` with -1 divides by zero, reductions give NaN forward and leave
