@@ -80,16 +80,7 @@ int device_forward(int size, void** ptrs, int* tags, const int* req, const int i
       mean[c] = m1[c] + m2[c];
       var[c] = std::max(v[c] - m2[c] * m2[c], 0.0);
     }
-    uint64_t token;
-    int64_t call;
-    std::vector<double> total;
-    if (!number_call(g, op.device, p.static_shape, op.token, &token, &call) ||
-        !exchange(g, Key(0, token, call), op.device, pack_forward(count, mean, var),
-                  p.dtype_name, &total, &error))
-      return failed_call();
-    unpack_forward(total, &stats.n, &stats.mean, &stats.var);
-    stats.token = static_cast<double>(token);
-    stats.call = static_cast<double>(call);
+    if (!exchange_forward(op, count, mean, var, &stats)) return failed_call();
     for (size_t c = 0; c < C; ++c) {
       rmean[c] = rmean[c] * p.momentum + stats.mean[c] * (1.0 - p.momentum);
       rvar[c] = rvar[c] * p.momentum + stats.var[c] * (1.0 - p.momentum);
@@ -151,11 +142,6 @@ int device_backward(int size, void** ptrs, int* tags, const int* req, const int,
       !read_copy(h.by_tag[kOutGrad][kShift], &d_shift, &error))
     return copy_failed(g, error);
   const Info stats = unpack_info(packed);
-  if (stats.call < 0)
-    return failed_call(), fail("SyncBatchNormError", "SyncBatchNorm '" + g.name + "': backward "
-                               "through a call made in inference mode; record the forward "
-                               "pass under autograd.record() (train_mode=True).");
-  if (!backward_current(p.static_shape, op.token)) return failed_call();
   const size_t C = m1.size();
   const double count = sample_count(shape, C);
   if (count == 0) {  // an empty slice adds nothing (MXNet leaves reductions over
@@ -170,10 +156,7 @@ int device_backward(int size, void** ptrs, int* tags, const int* req, const int,
     d_gamma[c] = p.fix_gamma ? 0.0 : sum_dy_xc[c] * inv_std[c];
   }
   std::vector<double> total;
-  const Key key(1, static_cast<uint64_t>(stats.token), static_cast<int64_t>(stats.call));
-  if (!exchange(g, key, op.device, pack_backward(d_shift, sum_dy_xc), p.dtype_name, &total,
-                &error))
-    return failed_call();
+  if (!exchange_backward(op, stats, d_shift, sum_dy_xc, &total)) return failed_call();
   // Through the global mean and variance to this device's m2 and v.
   std::vector<double> d_m2(C), d_v(C);
   const double w = count / stats.n;

@@ -68,17 +68,7 @@ int host_forward(int size, void** ptrs, int* tags, const int* req, const int is_
     for (int64_t c = 0; c < C && count > 0; ++c) mean[c] /= count;
     for_each(l, [&](int64_t c, int64_t i) { double d = at(x, i) - mean[c]; var[c] += d * d; });
     for (int64_t c = 0; c < C && count > 0; ++c) var[c] /= count;
-    uint64_t token;
-    int64_t call;
-    std::vector<double> total;
-    std::string error;
-    if (!number_call(g, op.device, p.static_shape, op.token, &token, &call) ||
-        !exchange(g, Key(0, token, call), op.device, pack_forward(count, mean, var),
-                  p.dtype_name, &total, &error))
-      return failed_call();
-    unpack_forward(total, &stats.n, &stats.mean, &stats.var);
-    stats.token = static_cast<double>(token);
-    stats.call = static_cast<double>(call);
+    if (!exchange_forward(op, count, mean, var, &stats)) return failed_call();
     if (p.static_shape && g.running.size() == g.devices.size()) {
       auto* u = new RunningUpdate{{g.running[op.device][0], g.running[op.device][1]},
                                   stats.mean, stats.var, p.momentum};
@@ -114,7 +104,6 @@ int host_backward(int size, void** ptrs, int* tags, const int* req, const int,
   Handles h(size, ptrs, tags);
   Op& op = *static_cast<Op*>(state);
   const Params& p = op.params;
-  Group& g = *op.group;
   // Declared dependencies (see bwd_dep): dy, x, gamma and the info output.
   Array dy = view(h.by_tag[kOutGrad][0]), x = view(h.by_tag[kInData][0]),
         gamma = view(h.by_tag[kInData][1]), info = view(h.by_tag[kOutData][1]);
@@ -125,11 +114,6 @@ int host_backward(int size, void** ptrs, int* tags, const int* req, const int,
   std::vector<double> packed(info.size());
   for (int64_t k = 0; k < info.size(); ++k) packed[k] = at(info, k);
   const Info stats = unpack_info(packed);
-  if (stats.call < 0)
-    return failed_call(), fail("SyncBatchNormError", "SyncBatchNorm '" + g.name + "': backward "
-                               "through a call made in inference mode; record the forward "
-                               "pass under autograd.record() (train_mode=True).");
-  if (!backward_current(p.static_shape, op.token)) return failed_call();
   const std::vector<double>& mean = stats.mean;
   const double n = stats.n;
   std::vector<double> inv_std(C), sum_dy(C, 0.0), sum_dy_xc(C, 0.0);
@@ -140,11 +124,7 @@ int host_backward(int size, void** ptrs, int* tags, const int* req, const int,
     sum_dy_xc[c] += d * (at(x, i) - mean[c]);
   });
   std::vector<double> total;
-  std::string error;
-  const Key key(1, static_cast<uint64_t>(stats.token), static_cast<int64_t>(stats.call));
-  if (!exchange(g, key, op.device, pack_backward(sum_dy, sum_dy_xc), p.dtype_name, &total,
-                &error))
-    return failed_call();
+  if (!exchange_backward(op, stats, sum_dy, sum_dy_xc, &total)) return failed_call();
   std::vector<double> a(C), b(C), k(C);  // dx = a*dy - b - k*(x - mean)
   for (int64_t c = 0; c < C; ++c) {
     double gscale = (p.fix_gamma ? 1.0 : at(gamma, c)) * inv_std[c];

@@ -61,6 +61,44 @@ struct Handles {  // the callback's arrays by tag, freed when it returns
   ~Handles() { for (int i = 0; i < size; ++i) MXNDArrayFree(ptrs[i]); }
 };
 
+// The forward exchange of one call: numbers it, sums the devices' FORWARD
+// vectors, and fills `stats` with the group's statistics and the call's step
+// and number. False (error recorded) if the call failed.
+bool exchange_forward(const Op& op, double count, const std::vector<double>& mean,
+                      const std::vector<double>& var, Info* stats) {
+  uint64_t token;
+  int64_t call;
+  std::vector<double> total;
+  std::string error;
+  if (!number_call(*op.group, op.device, op.params.static_shape, op.token, &token, &call) ||
+      !exchange(*op.group, Key(0, token, call), op.device, pack_forward(count, mean, var),
+                op.params.dtype_name, &total, &error))
+    return false;
+  unpack_forward(total, &stats->n, &stats->mean, &stats->var);
+  stats->token = static_cast<double>(token);
+  stats->call = static_cast<double>(call);
+  return true;
+}
+
+// The backward exchange of the call `stats` (its INFO) describes: sums the
+// devices' BACKWARD vectors into `total`. False (error recorded) if the call
+// was made in inference mode, belongs to a failed step, or the exchange failed.
+bool exchange_backward(const Op& op, const Info& stats, const std::vector<double>& sum_dy,
+                       const std::vector<double>& sum_dy_xc, std::vector<double>* total) {
+  if (stats.call < 0) {
+    fail("SyncBatchNormError", "SyncBatchNorm '" + op.group->name + "': backward through a "
+         "call made in inference mode; record the forward pass under autograd.record() "
+         "(train_mode=True).");
+    return false;
+  }
+  std::string error;
+  return backward_current(op.params.static_shape, op.token) &&
+         exchange(*op.group, Key(1, static_cast<uint64_t>(stats.token),
+                                 static_cast<int64_t>(stats.call)),
+                  op.device, pack_backward(sum_dy, sum_dy_xc), op.params.dtype_name, total,
+                  &error);
+}
+
 typedef int (*FBFunc)(int, void**, int*, const int*, const int, void*);
 
 // The callbacks of one operator type (see host_op.h and device_op.h).
