@@ -172,8 +172,7 @@ def install_cached_op_hook(hybrid_block_class, session, is_training):
     def _call_cached_op(self, *args):
         session.clear_failed_arrays()
         names = None
-        empty = any(getattr(a, 'size', 1) == 0 for a in args)
-        if (session.active() or empty) and args and hasattr(args[0], 'dtype') and is_training():
+        if args and hasattr(args[0], 'dtype') and is_training():
             # The layer names, found again whenever the graph is rebuilt
             # (convert_model and hybridize() after a first call rebuild it).
             graph, names = getattr(self, '_gluon_syncbn_layers', (None, None))
@@ -181,14 +180,14 @@ def install_cached_op_hook(hybrid_block_class, session, is_training):
                 names = ', '.join(
                     "'%s'" % b.name for b in _blocks(self) if hasattr(b, '_group_id'))
                 self._gluon_syncbn_layers = (self._cached_op, names)
-            if names:
-                session.check_dtypes(id(self), names, str(args[0].context),
-                                     dtype_name(args[0].dtype))
-        if names and empty:
-            # An empty slice: cached graphs divide by zero on size-0 input
-            # (reshape), so this call runs imperatively, where each
-            # SyncBatchNorm layer joins its exchanges with count 0.
-            return _forward_imperatively(self, args)
+        if names:
+            session.check_dtypes(id(self), names, str(args[0].context),
+                                 dtype_name(args[0].dtype))
+            if any(getattr(a, 'size', 1) == 0 for a in args):
+                # An empty slice: cached graphs divide by zero on size-0 input
+                # (reshape), so this call runs imperatively, where each
+                # SyncBatchNorm layer joins its exchanges with count 0.
+                return _forward_imperatively(self, args)
         out = original(self, *args)
         if _retrace_requested[0]:
             _retrace_requested[0] = False

@@ -36,8 +36,6 @@ __all__ = ['forward_contribution', 'merge', 'normalize_coefficients',
 
 def forward_contribution(count, m1, m2, v):
     """The vector ``[n, n*mean, n*(var + mean**2)]`` one device adds to the sum."""
-    if count == 0:  # an empty slice takes part with nothing (its moments are NaN)
-        return np.zeros(wire.forward_size(m1.size))
     return wire.pack_forward(count, m1 + m2, np.maximum(v - m2 * m2, 0.0))
 
 

@@ -6,6 +6,8 @@
 #include <mxnet/c_api.h>
 
 #include <cstdint>
+#include <initializer_list>
+#include <utility>
 #include <string>
 #include <vector>
 
@@ -115,6 +117,14 @@ bool read_copy(NDArrayHandle h, std::vector<double>* out, std::string* error) {
   }
   *error = "unexpected dtype flag " + std::to_string(dtype);
   return false;
+}
+
+// read_copy of several arrays; stops at the first failure.
+bool read_copies(std::initializer_list<std::pair<NDArrayHandle, std::vector<double>*>> arrays,
+                 std::string* error) {
+  for (const auto& a : arrays)
+    if (!read_copy(a.first, a.second, error)) return false;
+  return true;
 }
 
 template <typename T> bool copy_out(NDArrayHandle h, const std::vector<double>& values,

@@ -61,11 +61,9 @@ int device_forward(int size, void** ptrs, int* tags, const int* req, const int i
   const auto& in = h.by_tag[kInData];
   std::vector<double> m1, m2_rows, v_rows, shape, gamma, beta, rmean, rvar;
   std::string error;
-  if (!read_copy(in[kMean], &m1, &error) || !read_copy(in[kResidual], &m2_rows, &error) ||
-      !read_copy(in[kSqdev], &v_rows, &error) || !read_copy(in[kShape], &shape, &error) ||
-      !read_copy(in[kGamma], &gamma, &error) || !read_copy(in[kBeta], &beta, &error) ||
-      !read_copy(h.by_tag[kAux][0], &rmean, &error) ||
-      !read_copy(h.by_tag[kAux][1], &rvar, &error))
+  if (!read_copies({{in[kMean], &m1}, {in[kResidual], &m2_rows}, {in[kSqdev], &v_rows},
+                    {in[kShape], &shape}, {in[kGamma], &gamma}, {in[kBeta], &beta},
+                    {h.by_tag[kAux][0], &rmean}, {h.by_tag[kAux][1], &rvar}}, &error))
     return copy_failed(g, error);
   const size_t C = m1.size();
   const double count = sample_count(shape, C);
@@ -76,7 +74,7 @@ int device_forward(int size, void** ptrs, int* tags, const int* req, const int i
   } else {
     std::vector<double> m2 = local_mean(m2_rows, C, count, p.row_sums),
                         v = local_mean(v_rows, C, count, p.row_sums), mean(C), var(C);
-    for (size_t c = 0; c < C && count > 0; ++c) {  // an empty slice adds zeros
+    for (size_t c = 0; c < C; ++c) {
       mean[c] = m1[c] + m2[c];
       var[c] = std::max(v[c] - m2[c] * m2[c], 0.0);
     }
@@ -135,11 +133,10 @@ int device_backward(int size, void** ptrs, int* tags, const int* req, const int,
   const auto& grads = h.by_tag[kInGrad];
   std::vector<double> packed, m1, shape, gamma, d_scale, d_shift;
   std::string error;
-  if (!read_copy(h.by_tag[kOutData][kInfo], &packed, &error) ||
-      !read_copy(in[kMean], &m1, &error) || !read_copy(in[kShape], &shape, &error) ||
-      !read_copy(in[kGamma], &gamma, &error) ||
-      !read_copy(h.by_tag[kOutGrad][kScale], &d_scale, &error) ||
-      !read_copy(h.by_tag[kOutGrad][kShift], &d_shift, &error))
+  if (!read_copies({{h.by_tag[kOutData][kInfo], &packed}, {in[kMean], &m1},
+                    {in[kShape], &shape}, {in[kGamma], &gamma},
+                    {h.by_tag[kOutGrad][kScale], &d_scale},
+                    {h.by_tag[kOutGrad][kShift], &d_shift}}, &error))
     return copy_failed(g, error);
   const Info stats = unpack_info(packed);
   const size_t C = m1.size();
