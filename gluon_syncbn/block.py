@@ -339,11 +339,23 @@ class SyncBatchNorm(HybridBlock):
             registry.SESSION.check_dtypes(self._group_id, "'%s'" % self.name, str(x.context),
                                           dtype)
         axis = self._kwargs['axis']
-        if not imperative and self._static_shape and group.operator != 'python':
+        if not imperative and self._static_shape and group.operator in ('host', 'device'):
             try:
                 group.register_running_arrays()
             except DeferredInitializationError:
                 request_retrace()  # shapes are known after the first call
+        if group.operator == 'async':
+            # One native operator of MXNet's own kind does it all, without a
+            # custom operator's threads (native/async_op.h). float16/bfloat16
+            # through float32.
+            half = dtype in LOW_PRECISION
+            sync = native.async_operator()[F]
+            out = sync(F.Cast(x, dtype='float32') if half else x, gamma, beta, running_mean,
+                       running_var, group=group.group_id, eps=self._kwargs['eps'],
+                       momentum=self._kwargs['momentum'], fix_gamma=self._kwargs['fix_gamma'],
+                       static_shape=self._static_shape, axis=axis, input_dtype=dtype,
+                       name='sync')
+            return F.Cast(out, dtype=operator_dtype(dtype)) if half else out
         if group.operator == 'host':
             # One native operator does it all: local moments, the rendezvous,
             # normalization and running statistics (see native/host_op.h).

@@ -76,7 +76,7 @@ import ctypes
 import numpy as np
 from mxnet.base import _LIB, check_call
 
-__all__ = ['host_view', 'dtype_name', 'operator_dtype']
+__all__ = ['host_view', 'dtype_name', 'operator_dtype', 'operator_functions']
 
 _BFLOAT16 = np.dtype([('bfloat16', np.uint16)])
 
@@ -109,3 +109,17 @@ def host_view(arr):
     size = int(np.prod(arr.shape))
     buf = (ctypes.c_char * (size * dtype.itemsize)).from_address(ptr.value)
     return np.frombuffer(buf, dtype=dtype).reshape(arr.shape)
+
+
+def operator_functions(op_name):
+    """``{mx.nd: f, mx.sym: f}`` calling the operator ``op_name``, registered
+    after ``import mxnet`` generated its operator modules (MXNet's own
+    generators, as ``mx.library.load`` uses them)."""
+    import mxnet as mx
+    from mxnet.base import OpHandle, c_str
+    from mxnet.ndarray.register import _make_ndarray_function
+    from mxnet.symbol.register import _make_symbol_function
+    handle = OpHandle()
+    check_call(_LIB.NNGetOpHandle(c_str(op_name), ctypes.byref(handle)))
+    return {mx.nd: _make_ndarray_function(handle, op_name, op_name),
+            mx.sym: _make_symbol_function(handle, op_name, op_name)}

@@ -243,7 +243,8 @@ class SyncGroup(object):
         if SESSION._native is None or self.transport.cross_process:
             self.operator = 'python'
         else:
-            self.operator = 'host' if self.host_memory else 'device'
+            self.operator = ('device' if not self.host_memory else
+                             'async' if native.async_operator() else 'host')
         self._running_arrays = []
         if self.operator != 'python':
             subgroups = (ctypes.c_int * len(self.devices))(*self.subgroup_of)

@@ -33,16 +33,23 @@ from ..errors import SyncBatchNormError
 
 __all__ = ['HOST_OP_TYPE', 'DEVICE_OP_TYPE', 'load', 'implementation']
 
+ASYNC_OP = '_gluon_syncbn_sync'
+ASYNC_VARIABLE = 'GLUON_SYNCBN_ASYNC'
 HOST_OP_TYPE = '_gluon_syncbn_host'
 DEVICE_OP_TYPE = '_gluon_syncbn_device'
 IMPLEMENTATION_VARIABLE = 'GLUON_SYNCBN_OPERATOR'
 CACHE_VARIABLE = 'GLUON_SYNCBN_CACHE'
 SOURCE_DIR = os.path.dirname(os.path.abspath(__file__))
 SOURCE = os.path.join(SOURCE_DIR, 'syncbn.cc')  # includes the .h files beside it
-FLAGS = ['-O3', '-shared', '-fPIC', '-std=c++14']
+FLAGS = ['-O3', '-shared', '-fPIC', '-std=c++14',
+         # The wheel's build settings (see mxnet_abi.h): its C++ headers must
+         # see the layouts libmxnet.so was compiled with.
+         '-D_GLIBCXX_USE_CXX11_ABI=0', '-DMSHADOW_USE_CUDA=0', '-DMXNET_USE_CUDA=0',
+         '-DMSHADOW_USE_MKL=0', '-DMSHADOW_USE_CBLAS=0', '-DMSHADOW_STAND_ALONE=1',
+         '-DDMLC_USE_CXX11=1', '-DMSHADOW_INT64_TENSOR_SIZE=0']
 BUILD_SECONDS = 300
 
-_state = {'lib': None, 'why_not': None}
+_state = {'lib': None, 'why_not': None, 'async': None}
 
 
 class NativeUnavailable(Exception):
@@ -78,6 +85,11 @@ def library_path():
     return os.path.join(cache, 'mxnet-%s' % version, 'libgluon_syncbn-%s.so' % digest)
 
 
+def _mkldnn():
+    import mxnet
+    return int(mxnet.runtime.Features().is_enabled('MKLDNN'))
+
+
 def build(path):
     """Compile ``syncbn.cc`` into ``path``; raise NativeUnavailable with the reason."""
     mx_dir, _ = _mxnet_dir()
@@ -90,7 +102,9 @@ def build(path):
     os.makedirs(os.path.dirname(path), exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix='.so', dir=os.path.dirname(path))
     os.close(fd)
-    command = [compiler] + FLAGS + ['-I' + os.path.join(mx_dir, 'include'), SOURCE, '-o', tmp,
+    command = [compiler] + FLAGS + ['-DMXNET_USE_MKLDNN=%d' % _mkldnn(),
+                                    '-I' + os.path.join(mx_dir, 'include'),
+                                    '-I' + os.path.join(mx_dir, 'include', 'mkldnn'), SOURCE, '-o', tmp,
                                     '-L' + mx_dir, '-l:libmxnet.so', '-Wl,-rpath,' + mx_dir]
     try:
         proc = subprocess.run(command, capture_output=True, text=True, timeout=BUILD_SECONDS)
@@ -107,6 +121,7 @@ def build(path):
 def _declare(lib):
     c = ctypes
     lib.gsbn_register.argtypes = [c.c_char_p, c.c_char_p]
+    lib.gsbn_register_async.argtypes = []
     lib.gsbn_group_create.argtypes = [c.c_char_p, c.c_char_p, c.c_char_p, c.c_int, c.c_double,
                                       c.c_char_p, c.POINTER(c.c_int), c.c_int]
     lib.gsbn_group_create.restype = None
@@ -141,6 +156,9 @@ def load():
             if lib.gsbn_register(HOST_OP_TYPE.encode(), DEVICE_OP_TYPE.encode()) != 0:
                 raise NativeUnavailable('MXCustomOpRegister failed')
             _state['lib'] = lib
+            if os.environ.get(ASYNC_VARIABLE, '1') != '0' and lib.gsbn_register_async() == 0:
+                from ..mxnet_private import operator_functions
+                _state['async'] = operator_functions(ASYNC_OP)
         except (NativeUnavailable, OSError) as exc:
             _state['why_not'] = str(exc)
             if choice == 'auto':
@@ -167,3 +185,9 @@ def cause(lib):
     buf = ctypes.create_string_buffer(1 << 14)
     lib.gsbn_cause(buf, len(buf))
     return buf.value.decode('utf-8', 'replace')
+
+
+def async_operator():
+    """``{mx.nd: f, mx.sym: f}`` for the asynchronous host operator, or None."""
+    load()
+    return _state['async']

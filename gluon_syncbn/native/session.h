@@ -10,6 +10,7 @@
 #include <cstdio>
 #include <cstring>
 #include <deque>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -36,12 +37,18 @@ std::string g_cause = "";
 std::deque<std::string> g_errors;  // "Kind\tmessage", oldest first
 std::map<std::string, std::shared_ptr<Group>> g_groups;
 
+typedef std::tuple<int, uint64_t, int64_t> Key;  // (0 fwd / 1 bwd, token, call number)
+
 void record_locked(const std::string& kind, const std::string& message) {
   std::string entry = kind + "\t" + message;
   for (const auto& e : g_errors) if (e == entry) return;
   if (g_errors.size() >= 8) g_errors.pop_front();
   g_errors.push_back(entry);
 }
+
+// An asynchronous device's continuation: called once, with the error or
+// with its sync group's sum, after the lock is released (run_pending).
+typedef std::function<void(const std::string& error, const std::vector<double>& sum)> Waiter;
 
 struct Exchange {
   uint64_t token;
@@ -51,11 +58,11 @@ struct Exchange {
   bool done = false;
   std::string error, kind;                  // non-empty: failed with this cause
   std::vector<double> result;
-  std::condition_variable cv;
+  std::condition_variable cv;               // blocking devices wait on it
+  std::vector<std::pair<int, Waiter>> waiters;  // asynchronous devices
+  std::chrono::steady_clock::time_point deadline;  // theirs
   Exchange(uint64_t t, int n) : token(t), values(n), dtypes(n) {}
 };
-
-typedef std::tuple<int, uint64_t, int64_t> Key;  // (0 fwd / 1 bwd, token, call number)
 
 struct Group {
   std::string name, hint;
@@ -71,17 +78,52 @@ struct Group {
   std::vector<std::vector<NDArrayHandle>> running;
 };
 
+// Continuations to run once g_mutex is released, with their error or sum.
+std::vector<std::tuple<Waiter, std::string, std::vector<double>>> g_pending;
+
+void release_locked(Group& g, const Key& key, const std::shared_ptr<Exchange>& ex);
+
+// Hand an exchange's asynchronous devices their outcome (lock held).
+void dispatch_locked(Group& g, const Key& key, const std::shared_ptr<Exchange>& ex) {
+  const size_t size = ex->error.empty() ? ex->result.size() / g.num_subgroups : 0;
+  for (auto& w : ex->waiters) {
+    std::vector<double> sum;
+    if (ex->error.empty())
+      sum.assign(ex->result.begin() + g.subgroup[w.first] * size,
+                 ex->result.begin() + (g.subgroup[w.first] + 1) * size);
+    else
+      record_locked(ex->kind, ex->error);
+    g_pending.emplace_back(std::move(w.second), ex->error, std::move(sum));
+    release_locked(g, key, ex);
+  }
+  ex->waiters.clear();
+}
+
+// Run the continuations dispatched so far; never with g_mutex held.
+void run_pending() {
+  std::vector<std::tuple<Waiter, std::string, std::vector<double>>> ready;
+  {
+    std::lock_guard<std::mutex> lock(g_mutex);
+    ready.swap(g_pending);
+  }
+  for (auto& r : ready) std::get<0>(r)(std::get<1>(r), std::get<2>(r));
+}
+
 // Fail every waiting exchange: the step is over (lock held).
 void abort_locked(const std::string& cause, const std::string& kind = "SyncBatchNormError") {
   ++g_token;
   g_cause = cause;
-  for (auto& g : g_groups)
+  for (auto& g : g_groups) {
+    std::vector<std::pair<Key, std::shared_ptr<Exchange>>> failed;
     for (auto& e : g.second->exchanges)
       if (!e.second->done && e.second->error.empty()) {
         e.second->error = cause;
         e.second->kind = kind;
         e.second->cv.notify_all();
+        failed.emplace_back(e.first, e.second);
       }
+    for (auto& f : failed) dispatch_locked(*g.second, f.first, f.second);
+  }
 }
 
 std::string stale_message() {
@@ -106,8 +148,83 @@ std::string join(const std::vector<std::string>& items) {
 // device order (the same rounding whatever the arrival order). Every wait ends
 // at the layer's timeout. Returns false with `error` set on failure.
 
-bool exchange(Group& g, const Key& key, int device, std::vector<double> value,
-              const std::string& dtype, std::vector<double>* result, std::string* error) {
+// A failed exchange stays until every device has passed it, so a late
+// device fails at once instead of waiting (lock held).
+void release_locked(Group& g, const Key& key, const std::shared_ptr<Exchange>& ex) {
+  if (++ex->taken == static_cast<int>(g.devices.size())) {
+    auto it = g.exchanges.find(key);
+    if (it != g.exchanges.end() && it->second == ex) g.exchanges.erase(it);
+  }
+}
+
+// The exchange of `key`, created by its first device (lock held).
+std::shared_ptr<Exchange> slot_locked(Group& g, const Key& key) {
+  auto& slot = g.exchanges[key];
+  if (!slot) {
+    slot = std::make_shared<Exchange>(std::get<1>(key), static_cast<int>(g.devices.size()));
+    slot->deadline = std::chrono::steady_clock::now() +
+                     std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                         std::chrono::duration<double>(g.timeout));
+  }
+  return slot;
+}
+
+// The last device to arrive: checks that the devices agree and sums their
+// vectors; returns the failure, or "" with the exchange done (lock held).
+std::string combine_locked(Group& g, const Key& key, const std::shared_ptr<Exchange>& ex) {
+  const int n = static_cast<int>(g.devices.size());
+  size_t size = ex->values[0].size();
+  bool same_size = true, same_dtype = true;
+  for (int i = 1; i < n; ++i) {
+    same_size = same_size && ex->values[i].size() == size;
+    same_dtype = same_dtype && ex->dtypes[i] == ex->dtypes[0];
+  }
+  if (!same_size || !same_dtype) {
+    std::string what;
+    for (int i = 0; i < n; ++i) {
+      size_t s = ex->values[i].size();
+      size_t channels = std::get<0>(key) == 0 ? forward_channels(s) : backward_channels(s);
+      what += (i ? ", " : "") + g.devices[i] + ": " +
+              (same_size ? ex->dtypes[i] : std::to_string(channels));
+    }
+    return same_size
+        ? "SyncBatchNorm '" + g.name + "': devices disagree on the input dtype: " + what +
+              ". Cast every slice to the same dtype."
+        : "SyncBatchNorm '" + g.name + "': devices disagree on the channel count: " + what +
+              ". Every device must feed the same number of channels.";
+  }
+  // One sum per sync group, each in device order (the same rounding
+  // whatever the arrival order); a device takes its group's.
+  ex->result.assign(g.num_subgroups * size, 0.0);
+  for (int i = 0; i < n; ++i)
+    for (size_t j = 0; j < size; ++j) ex->result[g.subgroup[i] * size + j] += ex->values[i][j];
+  for (int s = 0; s < g.num_subgroups; ++s)
+    if (std::get<0>(key) == 0 && ex->result[s * size] <= 0)  // FORWARD: n
+      return "SyncBatchNorm '" + g.name + "': every device's slice of this batch is "
+             "empty" + (g.num_subgroups > 1 ? " in sync group " + std::to_string(s) : "") +
+             "; there is nothing to normalize. Skip empty batches.";
+  ex->done = true;
+  ex->cv.notify_all();
+  dispatch_locked(g, key, ex);
+  return "";
+}
+
+std::string timeout_message(const Group& g, const Key& key, const Exchange& ex) {
+  const int n = static_cast<int>(g.devices.size());
+  std::vector<int> arrived, missing;
+  for (int i = 0; i < n; ++i) (ex.values[i].empty() ? missing : arrived).push_back(i);
+  char head[256];
+  std::snprintf(head, sizeof(head), "only %d of %d devices (", ex.arrived, n);
+  return "SyncBatchNorm '" + g.name + "': " + head + join(g.devices, arrived) + ") reached " +
+         (std::get<0>(key) == 0 ? "forward" : "backward") + " call #" +
+         std::to_string(std::get<2>(key)) + " within " + std::to_string(g.timeout) +
+         "s; missing: " + join(g.devices, missing) + ". " + g.hint;
+}
+
+// Blocking: waits on the calling thread (the custom operators' threads).
+bool exchange_blocking(Group& g, const Key& key, int device, std::vector<double> value,
+                       const std::string& dtype, std::vector<double>* result,
+                       std::string* error) {
   auto deadline = std::chrono::steady_clock::now() +
                   std::chrono::duration_cast<std::chrono::steady_clock::duration>(
                       std::chrono::duration<double>(g.timeout));
@@ -118,72 +235,22 @@ bool exchange(Group& g, const Key& key, int device, std::vector<double> value,
     return false;
   }
   const int n = static_cast<int>(g.devices.size());
-  auto& slot = g.exchanges[key];
-  if (!slot) slot = std::make_shared<Exchange>(std::get<1>(key), n);
-  std::shared_ptr<Exchange> ex = slot;
+  std::shared_ptr<Exchange> ex = slot_locked(g, key);
   ex->values[device] = std::move(value);
   ex->dtypes[device] = dtype;
   std::string failure, kind = "SyncBatchNormError";
-  if (++ex->arrived == n && ex->error.empty()) {
-    size_t size = ex->values[0].size();
-    bool same_size = true, same_dtype = true;
-    for (int i = 1; i < n; ++i) {
-      same_size = same_size && ex->values[i].size() == size;
-      same_dtype = same_dtype && ex->dtypes[i] == ex->dtypes[0];
-    }
-    if (!same_size || !same_dtype) {
-      std::string what;
-      for (int i = 0; i < n; ++i) {
-        size_t s = ex->values[i].size();
-        size_t channels = std::get<0>(key) == 0 ? forward_channels(s) : backward_channels(s);
-        what += (i ? ", " : "") + g.devices[i] + ": " +
-                (same_size ? ex->dtypes[i] : std::to_string(channels));
-      }
-      failure = same_size
-          ? "SyncBatchNorm '" + g.name + "': devices disagree on the input dtype: " + what +
-                ". Cast every slice to the same dtype."
-          : "SyncBatchNorm '" + g.name + "': devices disagree on the channel count: " + what +
-                ". Every device must feed the same number of channels.";
-    } else {
-      // One sum per sync group, each in device order (the same rounding
-      // whatever the arrival order); a device takes its group's.
-      ex->result.assign(g.num_subgroups * size, 0.0);
-      for (int i = 0; i < n; ++i)
-        for (size_t j = 0; j < size; ++j) ex->result[g.subgroup[i] * size + j] += ex->values[i][j];
-      for (int s = 0; s < g.num_subgroups && failure.empty(); ++s)
-        if (std::get<0>(key) == 0 && ex->result[s * size] <= 0)  // FORWARD: n
-          failure = "SyncBatchNorm '" + g.name + "': every device's slice of this batch is "
-                    "empty" + (g.num_subgroups > 1 ? " in sync group " + std::to_string(s) : "") +
-                    "; there is nothing to normalize. Skip empty batches.";
-      if (failure.empty()) {
-        ex->done = true;
-        ex->cv.notify_all();
-      }
-    }
-  }
+  if (++ex->arrived == n && ex->error.empty()) failure = combine_locked(g, key, ex);
   while (failure.empty() && !ex->done && ex->error.empty()) {
     if (ex->cv.wait_until(lock, deadline) == std::cv_status::timeout &&
         !ex->done && ex->error.empty()) {
-      std::vector<int> arrived, missing;
-      for (int i = 0; i < n; ++i) (ex->values[i].empty() ? missing : arrived).push_back(i);
-      char head[256];
-      std::snprintf(head, sizeof(head), "only %d of %d devices (", ex->arrived, n);
-      failure = "SyncBatchNorm '" + g.name + "': " + head + join(g.devices, arrived) +
-                ") reached " + (std::get<0>(key) == 0 ? "forward" : "backward") + " call #" +
-                std::to_string(std::get<2>(key)) + " within " + std::to_string(g.timeout) +
-                "s; missing: " + join(g.devices, missing) + ". " + g.hint;
+      failure = timeout_message(g, key, *ex);
       kind = "SyncBatchNormTimeout";
     }
   }
   if (!failure.empty()) {
     abort_locked(failure, kind);  // this exchange and every other waiting call of the step
   }
-  // A failed exchange stays until every device has passed it, so a late
-  // device fails at once instead of waiting.
-  if (++ex->taken == n) {
-    auto it = g.exchanges.find(key);
-    if (it != g.exchanges.end() && it->second == ex) g.exchanges.erase(it);
-  }
+  release_locked(g, key, ex);
   if (!ex->error.empty()) {
     record_locked(ex->kind, ex->error);  // each device's MXNetError names the cause
     *error = ex->error;
@@ -195,6 +262,76 @@ bool exchange(Group& g, const Key& key, int device, std::vector<double> value,
   return true;
 }
 
+bool exchange(Group& g, const Key& key, int device, std::vector<double> value,
+              const std::string& dtype, std::vector<double>* result, std::string* error) {
+  bool ok = exchange_blocking(g, key, device, std::move(value), dtype, result, error);
+  run_pending();  // an abort here may have failed asynchronous devices
+  return ok;
+}
+
+// ------------------------------------------------------------- watchdog --
+// Fails asynchronous exchanges at their deadline: nothing else waits for them.
+
+std::condition_variable g_watchdog_cv;
+bool g_watchdog_started = false;
+
+void watchdog() {
+  std::unique_lock<std::mutex> lock(g_mutex);
+  for (;;) {
+    auto next = std::chrono::steady_clock::now() + std::chrono::seconds(1);
+    std::string failure;
+    for (auto& g : g_groups)
+      for (auto& e : g.second->exchanges) {
+        const Exchange& ex = *e.second;
+        if (ex.waiters.empty() || ex.done || !ex.error.empty()) continue;
+        if (ex.deadline <= std::chrono::steady_clock::now()) {
+          if (failure.empty()) failure = timeout_message(*g.second, e.first, ex);
+        } else if (ex.deadline < next) {
+          next = ex.deadline;
+        }
+      }
+    if (!failure.empty()) {
+      abort_locked(failure, "SyncBatchNormTimeout");
+      lock.unlock();
+      run_pending();
+      lock.lock();
+      continue;
+    }
+    g_watchdog_cv.wait_until(lock, next);
+  }
+}
+
+// Asynchronous: `done` runs once, on whichever thread completes the exchange
+// (the last device to arrive, an abort, or the watchdog at the deadline).
+void exchange_async(Group& g, const Key& key, int device, std::vector<double> value,
+                    const std::string& dtype, Waiter done) {
+  {
+    std::lock_guard<std::mutex> lock(g_mutex);
+    if (!g_watchdog_started) {
+      g_watchdog_started = true;
+      std::thread(watchdog).detach();
+    }
+    if (std::get<1>(key) != g_token) {
+      record_locked("SyncBatchNormError", stale_message());
+      g_pending.emplace_back(std::move(done), stale_message(), std::vector<double>());
+    } else {
+      const int n = static_cast<int>(g.devices.size());
+      std::shared_ptr<Exchange> ex = slot_locked(g, key);
+      ex->values[device] = std::move(value);
+      ex->dtypes[device] = dtype;
+      ex->waiters.emplace_back(device, std::move(done));
+      if (!ex->error.empty()) {
+        dispatch_locked(g, key, ex);
+      } else if (++ex->arrived == n) {
+        std::string failure = combine_locked(g, key, ex);
+        if (!failure.empty()) abort_locked(failure);
+      } else {
+        g_watchdog_cv.notify_all();  // a new deadline
+      }
+    }
+  }
+  run_pending();
+}
 
 int fail(const std::string& kind, const std::string& message) {
   std::lock_guard<std::mutex> lock(g_mutex);

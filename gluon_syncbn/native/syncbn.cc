@@ -29,6 +29,8 @@
 // AllocateNDArrayCopy after CreateDefaultInputs), so raw pointers are safe and
 // waiting on them cannot deadlock; a callback returns 1 for success and must
 // MXNDArrayFree every handle; mxnet::Context is {int32 dev_type, int32 dev_id}.
+#include "mxnet_abi.h"  // first: its #define must precede every MXNet header
+
 #include <mxnet/c_api.h>
 
 #include <cstdio>
@@ -37,6 +39,7 @@
 #include <mutex>
 #include <string>
 
+#include "async_op.h"
 #include "device_op.h"
 #include "host_op.h"
 
@@ -58,6 +61,12 @@ int device_prop(const char*, const int num, const char** keys, const char** valu
 // Loaded with ctypes by gluon_syncbn/native/__init__.py. Strings are UTF-8.
 
 extern "C" {
+
+// Registers the asynchronous operator (_gluon_syncbn_sync); 0 on success.
+int gsbn_register_async() {
+  register_async_op();
+  return 0;
+}
 
 // Registers the host and the device operator under these names; 0 on success.
 int gsbn_register(const char* host_type, const char* device_type) {
@@ -107,8 +116,11 @@ void gsbn_begin_step() {
 }
 
 void gsbn_abort(const char* cause) {
-  std::lock_guard<std::mutex> lock(g_mutex);
-  abort_locked(cause);
+  {
+    std::lock_guard<std::mutex> lock(g_mutex);
+    abort_locked(cause);
+  }
+  run_pending();
 }
 
 // The cause of the last abort, copied into buf (at most size bytes).

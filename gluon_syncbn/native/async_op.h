@@ -1,0 +1,305 @@
+// The asynchronous operator: CPU contexts' whole layer call as an MXNet
+// operator of its own (registered in MXNet's C++ registry, see mxnet_abi.h)
+// instead of a custom operator. It runs on the engine's worker of its device
+// and returns at once: the call completes (async_on_complete) when the
+// exchange does, on the thread of the last device to arrive (or of an abort,
+// or of the watchdog at the timeout). No thread waits, no custom-operator
+// hand-off, no temp-space slot.
+//
+//   forward:  x, gamma, beta, running mean/var (mutated) -> y
+//             local moments -> FORWARD exchange -> normalize, running stats
+//   backward: dy, x, gamma -> dx, d gamma, d beta
+//             BACKWARD exchange of call #k (its statistics kept in the state)
+//
+// The maths are host_op.h's; MKL-DNN inputs are reordered into arrays the
+// call holds until it completes.
+#pragma once
+#include "mxnet_abi.h"
+#include "operator.h"
+
+namespace {
+
+const char* ASYNC_OP = "_gluon_syncbn_sync";
+const char* ASYNC_BACKWARD_OP = "_backward_gluon_syncbn_sync";
+
+// One node's state (one device's call; one device's node in static graphs),
+// shared by its forward and backward.
+struct AsyncState {
+  Op op;                 // params, group, device, issue token
+  Info stats;            // the forward's global statistics and call number
+};
+
+Array array_of(const mxnet::NDArray& a) {
+  Array out;
+  const mxnet::TShape& shape = a.shape();
+  for (int i = 0; i < shape.ndim(); ++i) out.shape.push_back(shape[i]);
+  out.dtype = a.dtype();
+  out.data = out.size() > 0 ? a.data().dptr_ : nullptr;
+  return out;
+}
+
+// The array in MXNet's default layout (MKL-DNN's blocked one reordered).
+mxnet::NDArray plain(const mxnet::NDArray& a) {
+  return a.IsMKLDNNData() ? a.Reorder2Default() : a;
+}
+
+void complete(const mxnet::engine::CallbackOnComplete& on_complete, const std::string& error) {
+  if (error.empty()) {
+    on_complete();
+  } else {
+    dmlc::Error e(error);
+    on_complete(&e);
+  }
+}
+
+mxnet::OpStatePtr async_create_state(const nnvm::NodeAttrs& attrs, mxnet::Context ctx,
+                                     const mxnet::ShapeVector&, const std::vector<int>&) {
+  std::vector<const char*> keys, values;
+  auto arguments = node_arguments(attrs);
+  for (const auto& kv : arguments) { keys.push_back(kv.first.c_str()); values.push_back(kv.second.c_str()); }
+  auto* state = new AsyncState();
+  state->op.params = parse_params(static_cast<int>(keys.size()), keys.data(), values.data());
+  std::string error;
+  state->op.group = find_group(state->op.params.group_id, &error);
+  CHECK(state->op.group) << error;
+  const std::string device = "cpu(" + std::to_string(ctx.dev_id) + ")";
+  state->op.device = -1;
+  for (size_t i = 0; i < state->op.group->devices.size(); ++i)
+    if (state->op.group->devices[i] == device) state->op.device = static_cast<int>(i);
+  CHECK_GE(state->op.device, 0) << "SyncBatchNorm '" << state->op.group->name
+      << "' was called on " << device << ", but its parameters live on "
+      << join(state->op.group->devices) << ". Initialize the network on every context you feed.";
+  {
+    std::lock_guard<std::mutex> lock(g_mutex);
+    state->op.token = g_issue_token;  // as create_operator: issued now
+  }
+  return make_state(state);
+}
+
+void async_forward(const mxnet::OpStatePtr& state_ptr, const mxnet::OpContext& ctx,
+                   const std::vector<mxnet::NDArray>& in, const std::vector<mxnet::OpReqType>& req,
+                   const std::vector<mxnet::NDArray>& out) {
+  AsyncState& state = state_ptr.get_state<AsyncState>();
+  const Op& op = state.op;
+  const Params& p = op.params;
+  const mxnet::NDArray x_nd = plain(in[0]);
+  Array x = array_of(x_nd), gamma = array_of(in[1]), beta = array_of(in[2]);
+  Array rmean = array_of(in[3]), rvar = array_of(in[4]), y = array_of(out[0]);
+  const int write = req[0];
+  Layout l(x.shape, p.axis);
+  const int64_t C = l.channels;
+  auto normalize = [=](const Info& stats) {
+    std::vector<double> scale(C), shift(C);
+    for (int64_t c = 0; c < C; ++c) {
+      double inv_std = 1.0 / std::sqrt(stats.var[c] + p.eps);
+      scale[c] = (p.fix_gamma ? 1.0 : at(gamma, c)) * inv_std;
+      shift[c] = at(beta, c) - stats.mean[c] * scale[c];
+    }
+    if (write != kNull)
+      for_each(l, [&](int64_t c, int64_t i) { put(y, i, at(x, i) * scale[c] + shift[c], write); });
+  };
+  if (!ctx.is_train) {  // predict mode inside a graph: the running statistics
+    Info stats;
+    for (int64_t c = 0; c < C; ++c) {
+      stats.mean.push_back(at(rmean, c));
+      stats.var.push_back(at(rvar, c));
+    }
+    normalize(stats);
+    state.stats = Info();  // call < 0: no backward through it
+    ctx.async_on_complete();
+    return;
+  }
+  std::vector<double> mean(C, 0.0), var(C, 0.0);
+  for_each(l, [&](int64_t c, int64_t i) { mean[c] += at(x, i); });
+  const double count = static_cast<double>(l.count());
+  for (int64_t c = 0; c < C && count > 0; ++c) mean[c] /= count;
+  for_each(l, [&](int64_t c, int64_t i) { double d = at(x, i) - mean[c]; var[c] += d * d; });
+  for (int64_t c = 0; c < C && count > 0; ++c) var[c] /= count;
+  uint64_t token;
+  int64_t call;
+  auto on_complete = ctx.async_on_complete;
+  if (!number_call(*op.group, op.device, p.static_shape, op.token, &token, &call))
+    return complete(on_complete, stale_message());
+  AsyncState* s = &state;
+  // The arrays stay alive (and x's reordered copy with them) until the call
+  // completes; the engine holds every other reader and writer back till then.
+  std::vector<mxnet::NDArray> keep = {x_nd, in[1], in[2], in[3], in[4], out[0]};
+  exchange_async(*op.group, Key(0, token, call), op.device, pack_forward(count, mean, var),
+                 p.dtype_name,
+                 [=](const std::string& error, const std::vector<double>& total) {
+    if (!error.empty()) return complete(on_complete, error);
+    Info stats;
+    unpack_forward(total, &stats.n, &stats.mean, &stats.var);
+    stats.token = static_cast<double>(token);
+    stats.call = static_cast<double>(call);
+    for (int64_t c = 0; c < C; ++c) {  // running mean/var are this operator's to write
+      put(rmean, c, at(rmean, c) * p.momentum + stats.mean[c] * (1.0 - p.momentum), 1);
+      put(rvar, c, at(rvar, c) * p.momentum + stats.var[c] * (1.0 - p.momentum), 1);
+    }
+    normalize(stats);
+    s->stats = stats;
+    (void)keep;
+    complete(on_complete, "");
+  });
+}
+
+void async_backward(const mxnet::OpStatePtr& state_ptr, const mxnet::OpContext& ctx,
+                    const std::vector<mxnet::NDArray>& in,
+                    const std::vector<mxnet::OpReqType>& req,
+                    const std::vector<mxnet::NDArray>& out) {
+  AsyncState& state = state_ptr.get_state<AsyncState>();
+  const Op& op = state.op;
+  const Params& p = op.params;
+  const mxnet::NDArray dy_nd = plain(in[0]), x_nd = plain(in[1]);
+  Array dy = array_of(dy_nd), x = array_of(x_nd), gamma = array_of(in[2]);
+  Array dx = array_of(out[0]), dgamma = array_of(out[1]), dbeta = array_of(out[2]);
+  const int req_dx = req[0], req_dgamma = req[1], req_dbeta = req[2];
+  auto on_complete = ctx.async_on_complete;
+  const Info stats = state.stats;
+  Layout l(x.shape, p.axis);
+  const int64_t C = l.channels;
+  std::vector<double> inv_std(C), sum_dy(C, 0.0), sum_dy_xc(C, 0.0);
+  if (stats.call >= 0) {
+    for (int64_t c = 0; c < C; ++c) inv_std[c] = 1.0 / std::sqrt(stats.var[c] + p.eps);
+    for_each(l, [&](int64_t c, int64_t i) {
+      double d = at(dy, i);
+      sum_dy[c] += d;
+      sum_dy_xc[c] += d * (at(x, i) - stats.mean[c]);
+    });
+  }
+  if (stats.call < 0)
+    return complete(on_complete, "SyncBatchNorm '" + op.group->name + "': backward through a "
+                    "call made in inference mode; record the forward pass under "
+                    "autograd.record() (train_mode=True).");
+  if (!backward_current(p.static_shape, op.token)) return complete(on_complete, stale_message());
+  std::vector<mxnet::NDArray> keep = {dy_nd, x_nd, in[2], out[0], out[1], out[2]};
+  exchange_async(*op.group, Key(1, static_cast<uint64_t>(stats.token),
+                                static_cast<int64_t>(stats.call)),
+                 op.device, pack_backward(sum_dy, sum_dy_xc), p.dtype_name,
+                 [=](const std::string& error, const std::vector<double>& total) {
+    if (!error.empty()) return complete(on_complete, error);
+    const double n = stats.n;
+    std::vector<double> a(C), b(C), k(C);  // dx = a*dy - b - k*(x - mean)
+    for (int64_t c = 0; c < C; ++c) {
+      double gscale = (p.fix_gamma ? 1.0 : at(gamma, c)) * inv_std[c];
+      a[c] = gscale;
+      b[c] = gscale * total[c] / n;
+      k[c] = gscale * inv_std[c] * inv_std[c] * total[C + c] / n;
+    }
+    if (req_dx != kNull)
+      for_each(l, [&](int64_t c, int64_t i) {
+        put(dx, i, a[c] * at(dy, i) - b[c] - k[c] * (at(x, i) - stats.mean[c]), req_dx);
+      });
+    for (int64_t c = 0; c < C; ++c) {  // gamma and beta gradients stay per device
+      if (req_dgamma != kNull)
+        put(dgamma, c, p.fix_gamma ? 0.0 : sum_dy_xc[c] * inv_std[c], req_dgamma);
+      if (req_dbeta != kNull) put(dbeta, c, sum_dy[c], req_dbeta);
+    }
+    (void)keep;
+    complete(on_complete, "");
+  });
+}
+
+// ------------------------------------------------------------ registration --
+
+bool async_infer_shape(const nnvm::NodeAttrs& attrs, mxnet::ShapeVector* in,
+                       mxnet::ShapeVector* out) {
+  const mxnet::TShape& data = (*in)[0];
+  if (!mxnet::ndim_is_known(data)) return false;
+  Params p;
+  for (const auto& kv : node_arguments(attrs)) {
+    const char* k = kv.first.c_str();
+    const char* v = kv.second.c_str();
+    Params one = parse_params(1, &k, &v);
+    if (kv.first == "axis") p.axis = one.axis;
+    if (kv.first == "group") p.group_id = one.group_id;
+  }
+  const int ndim = data.ndim();
+  std::string name = layer_name(p);
+  CHECK(ndim >= 2 && ndim <= 5) << "SyncBatchNorm '" << name << "' expects input of 2 to 5 "
+      "dimensions, got " << ndim << ". Reshape the input, e.g. to (N, C, L).";
+  const int axis = p.axis < 0 ? p.axis + ndim : p.axis;
+  CHECK(axis >= 0 && axis < ndim) << "SyncBatchNorm '" << name << "': axis=" << p.axis
+      << " is out of range for input of " << ndim << " dimensions.";
+  const int64_t channels = data[axis];
+  const char* names[] = {"", "gamma", "beta", "running_mean", "running_var"};
+  for (int i = 1; i < 5; ++i) {
+    const mxnet::TShape& s = (*in)[i];
+    if (mxnet::ndim_is_known(s) && s.ndim() == 1 && s[0] > 0 && s[0] != channels && channels > 0)
+      LOG(FATAL) << "SyncBatchNorm '" << name << "': input has " << channels
+                 << " channels on axis " << p.axis << " but " << names[i] << " has shape ("
+                 << s[0] << ",). Set in_channels=" << channels << " or feed " << s[0]
+                 << " channels.";
+    (*in)[i] = mxnet::TShape(1, channels);
+  }
+  (*out)[0] = data;
+  return mxnet::shape_is_known(data);
+}
+
+bool async_infer_type(const nnvm::NodeAttrs&, std::vector<int>* in, std::vector<int>* out) {
+  const int data = (*in)[0];
+  if (data < 0) return false;
+  CHECK(data == kFloat32 || data == kFloat64) << "SyncBatchNorm: the operator takes float32 "
+      "or float64 input; this is a bug in gluon_syncbn (the block casts), please report it.";
+  const int param = (*in)[1] >= 0 ? (*in)[1] : kFloat32;
+  for (int i = 1; i < 5; ++i) (*in)[i] = param;
+  (*out)[0] = data;
+  return true;
+}
+
+bool async_infer_storage(const nnvm::NodeAttrs&, const int, mxnet::DispatchMode* mode,
+                         std::vector<int>* in, std::vector<int>* out) {
+  for (auto& s : *in) s = mxnet::kDefaultStorage;
+  for (auto& s : *out) s = mxnet::kDefaultStorage;
+  *mode = mxnet::DispatchMode::kFComputeEx;
+  return true;
+}
+
+std::vector<std::string> async_input_names(const nnvm::NodeAttrs&) {
+  return {"data", "gamma", "beta", "running_mean", "running_var"};
+}
+
+std::vector<uint32_t> async_mutated(const nnvm::NodeAttrs&) { return {3, 4}; }
+
+mxnet::ExecType async_exec(const nnvm::NodeAttrs&) { return mxnet::ExecType::kAsync; }
+
+// Backward node: dy, x, gamma in; d x, d gamma, d beta out; the running
+// statistics get no gradient (as nn.BatchNorm's).
+std::vector<nnvm::NodeEntry> async_gradient(const nnvm::ObjectPtr& node,
+                                            const std::vector<nnvm::NodeEntry>& out_grads) {
+  const auto& inputs = reinterpret_cast<const NodeLayout*>(node.get())->inputs;
+  nnvm::ObjectPtr grad = make_node(ASYNC_BACKWARD_OP, {out_grads[0], inputs[0], inputs[1]},
+                                   {node});
+  nnvm::ObjectPtr none = make_node("_NoGradient", {}, {});
+  return {nnvm::NodeEntry(grad, 0, 0), nnvm::NodeEntry(grad, 1, 0),
+          nnvm::NodeEntry(grad, 2, 0), nnvm::NodeEntry(none, 0, 0),
+          nnvm::NodeEntry(none, 0, 0)};
+}
+
+void register_async_op() {
+  auto* registry = dmlc::Registry<nnvm::Op>::Get();
+  nnvm::Op* fwd = &registry->__REGISTER_OR_GET__(ASYNC_OP);
+  fwd->set_num_inputs(5).set_num_outputs(1);
+  for (const char* name : {"data", "gamma", "beta", "running_mean", "running_var"})
+    fwd->add_argument(name, "NDArray-or-Symbol", name);
+  set_attr<nnvm::FListInputNames>(fwd, "FListInputNames", OLD_ABI(async_input_names));
+  set_attr<nnvm::FMutateInputs>(fwd, "FMutateInputs", OLD_ABI(async_mutated));
+  set_attr<mxnet::FInferShape>(fwd, "FInferShape", OLD_ABI(async_infer_shape));
+  set_attr<nnvm::FInferType>(fwd, "FInferType", OLD_ABI(async_infer_type));
+  set_attr<mxnet::FInferStorageType>(fwd, "FInferStorageType", OLD_ABI(async_infer_storage));
+  set_attr<mxnet::FCreateOpState>(fwd, "FCreateOpState", OLD_ABI(async_create_state));
+  set_attr<mxnet::FExecType>(fwd, "FExecType", OLD_ABI(async_exec));
+  set_attr<bool>(fwd, "TIsMKLDNN", true);  // inputs as they are: plain() reorders
+  set_attr<mxnet::FStatefulComputeEx>(fwd, "FStatefulComputeEx<cpu>", OLD_ABI(async_forward));
+  set_attr<nnvm::FGradient>(fwd, "FGradient", OLD_ABI(async_gradient));
+  nnvm::Op* bwd = &registry->__REGISTER_OR_GET__(ASYNC_BACKWARD_OP);
+  bwd->set_num_inputs(3).set_num_outputs(3);
+  set_attr<bool>(bwd, "TIsBackward", true);
+  set_attr<bool>(bwd, "TIsLayerOpBackward", true);
+  set_attr<mxnet::FInferStorageType>(bwd, "FInferStorageType", OLD_ABI(async_infer_storage));
+  set_attr<mxnet::FExecType>(bwd, "FExecType", OLD_ABI(async_exec));
+  set_attr<bool>(bwd, "TIsMKLDNN", true);
+  set_attr<mxnet::FStatefulComputeEx>(bwd, "FStatefulComputeEx<cpu>", OLD_ABI(async_backward));
+}
+
+}  // namespace

@@ -1,0 +1,121 @@
+// How this library reaches MXNet's C++ operator registry, which its C API
+// does not expose: every reliance on libmxnet's C++ ABI sits here (the
+// Python-side list is gluon_syncbn/mxnet_private.py).
+//
+// libmxnet.so of the 1.9.1 wheels exports its registry and NDArray methods,
+// and the wheel ships the headers; syncbn.cc is compiled with the wheel's
+// settings (old std::string ABI, MKL-DNN as the wheel has it, no CUDA, int32
+// tensor sizes: native/__init__.py). The wheel was built with GCC 4.8's
+// libstdc++, and two of its layouts differ from what g++ >= 5 generates:
+//   * std::function: GCC 4.8 calls the invoker with arguments by value, later
+//     ones by reference. Every std::function handed to libmxnet gets a GCC
+//     4.8-style invoker (old_abi below); attribute maps are filled directly,
+//     without nnvm's set_attr (which hands libmxnet a std::function too).
+//   * unordered_map is 48 bytes in GCC 4.8, 56 later, so nnvm::Node's fields
+//     after NodeAttrs::dict sit 8 bytes earlier in libmxnet. Nodes are made
+//     by libmxnet (NNSymbolCreateAtomicSymbol) and wired through NodeLayout;
+//     NodeAttrs::dict is only iterated (its leading fields agree).
+// native/__init__.py checks these facts in a subprocess before the library
+// registers anything (gsbn_abi_selftest), and keeps to the custom operator
+// otherwise.
+#pragma once
+#include <functional>  // the standard headers MXNet's use, before the #define
+#include <iostream>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <sstream>
+#include <string>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+#define private public  // Op::GetAttrMap/index_, OpMap::data_, OpStatePtr::ptr_
+#include <mxnet/base.h>
+#include <mxnet/engine.h>
+#include <mxnet/ndarray.h>
+#include <mxnet/op_attr_types.h>
+#include <nnvm/c_api.h>
+#include <nnvm/node.h>
+#include <nnvm/op.h>
+#include <nnvm/op_attr_types.h>
+#include <nnvm/symbolic.h>
+#undef private
+
+namespace {
+
+struct FunctionLayout { void* functor[2]; void* manager; void* invoker; };
+
+template <typename Sig, Sig* F> struct OldAbi;
+template <typename R, typename... A, R (*F)(A...)> struct OldAbi<R(A...), F> {
+  static R invoke(const std::_Any_data&, A... args) { return F(args...); }
+  static std::function<R(A...)> make() {
+    static_assert(sizeof(FunctionLayout) == sizeof(std::function<R(A...)>), "std::function");
+    std::function<R(A...)> f(F);
+    reinterpret_cast<FunctionLayout*>(&f)->invoker = reinterpret_cast<void*>(&invoke);
+    return f;
+  }
+};
+// A std::function libmxnet can call, wrapping the plain function F.
+#define OLD_ABI(F) OldAbi<decltype(F), F>::make()
+
+// What nnvm's Op::set_attr does, minus its updater: every attribute used here
+// already has a map in libmxnet. Priority 11 overrides nothing of MXNet's.
+template <typename T> void set_attr(nnvm::Op* op, const char* key, const T& value) {
+  const dmlc::any* map = nnvm::Op::GetAttrMap(key);
+  CHECK(map != nullptr) << "gluon_syncbn: MXNet has no operator attribute " << key;
+  auto& values = const_cast<nnvm::OpMap<T>&>(nnvm::get<nnvm::OpMap<T>>(*map)).data_;
+  if (values.size() <= op->index_) values.resize(op->index_ + 1, std::make_pair(T(), 0));
+  values[op->index_] = std::make_pair(value, 11);
+}
+
+// nnvm::Node as libmxnet lays it out.
+struct NodeLayout {
+  const nnvm::Op* op;
+  std::string name;
+  char dict[48];
+  dmlc::any parsed;
+  std::vector<std::shared_ptr<nnvm::Symbol>> subgraphs;
+  std::vector<nnvm::NodeEntry> inputs;
+  std::vector<nnvm::ObjectPtr> control_deps;
+};
+
+// A node of operator `op_name` made by libmxnet, with these inputs and
+// control dependencies.
+nnvm::ObjectPtr make_node(const char* op_name, const std::vector<nnvm::NodeEntry>& inputs,
+                          const std::vector<nnvm::ObjectPtr>& control_deps) {
+  void* op = nullptr;
+  SymbolHandle symbol = nullptr;
+  CHECK_EQ(NNGetOpHandle(op_name, &op), 0) << op_name;
+  CHECK_EQ(NNSymbolCreateAtomicSymbol(op, 0, nullptr, nullptr, &symbol), 0) << op_name;
+  nnvm::ObjectPtr node = static_cast<nnvm::Symbol*>(symbol)->outputs[0].node;
+  NNSymbolFree(symbol);
+  auto* layout = reinterpret_cast<NodeLayout*>(node.get());
+  layout->inputs = inputs;
+  layout->control_deps = control_deps;
+  return node;
+}
+
+void ignore_run_context(mxnet::RunContext) {}
+
+// OpStatePtr::Create<T>, with a deleter libmxnet can call.
+template <typename T> mxnet::OpStatePtr make_state(T* object) {
+  mxnet::OpStatePtr state;
+  auto var = mxnet::Engine::Get()->NewVariable();
+  state.ptr_.reset(new mxnet::OpStatePtr::OpState(var, object),
+                   [](mxnet::OpStatePtr::OpState* p) {
+                     mxnet::Engine::Get()->DeleteVariable(OLD_ABI(ignore_run_context),
+                                                          mxnet::Context::CPU(), p->var);
+                     delete reinterpret_cast<T*>(p->state);
+                     delete p;
+                   });
+  return state;
+}
+
+// The node's string arguments (NodeAttrs::dict, iterated only).
+std::vector<std::pair<std::string, std::string>> node_arguments(const nnvm::NodeAttrs& attrs) {
+  std::vector<std::pair<std::string, std::string>> out;
+  for (const auto& kv : attrs.dict) out.emplace_back(kv.first, kv.second);
+  return out;
+}
+
+}  // namespace
