@@ -349,8 +349,12 @@ class SyncBatchNorm(HybridBlock):
             # custom operator's threads (native/async_op.h). float16/bfloat16
             # through float32.
             half = dtype in LOW_PRECISION
+            if half:
+                x = F.Cast(x, dtype='float32')
+            elif not imperative and dtype == 'float32':
+                x = F.amp_cast(x, dtype='float32')  # AMP's float16/bfloat16, as below
             sync = native.async_operator()[F]
-            out = sync(F.Cast(x, dtype='float32') if half else x, gamma, beta, running_mean,
+            out = sync(x, gamma, beta, running_mean,
                        running_var, group=group.group_id, eps=self._kwargs['eps'],
                        momentum=self._kwargs['momentum'], fix_gamma=self._kwargs['fix_gamma'],
                        static_shape=self._static_shape, axis=axis, input_dtype=dtype,

@@ -67,6 +67,14 @@ bfloat16 (``dtype_name``)
     ``np.dtype([('bfloat16', np.uint16)])``, whose ``.name`` is ``void16``;
     its operator wrappers take that dtype (and not the string 'bfloat16').
 
+MXNet's C++ registry (``native/mxnet_abi.h``, ``native/async_op.h``)
+    The asynchronous operator is registered from our library into
+    ``dmlc::Registry<nnvm::Op>``, with the layouts of the wheel's build (GCC
+    4.8's ``std::function`` invokers and ``unordered_map``), checked once per
+    build by ``native/selftest.py``; :func:`operator_functions` makes its
+    Python functions with MXNet's generators (``_make_ndarray_function``,
+    ``_make_symbol_function``).
+
 Engine settings (``engine``)
     ``MXNET_CPU_TEMP_COPY`` and ``MXNET_CPU_PARALLEL_RAND_COPY`` are read once,
     at MXNet's first operator; CPU contexts share those pools.

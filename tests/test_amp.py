@@ -12,7 +12,7 @@ roundoffs of nn.BatchNorm's under the same AMP settings."""
 import numpy as np
 import pytest
 
-from tests.conftest import PATHS, run_scenario
+from tests.conftest import OPERATOR_PATHS, PATHS, run_scenario
 
 MODES = [False, True, 'static']
 
@@ -32,7 +32,7 @@ def float32_gradients(tmp_path_factory):
     return np.load(path)
 
 
-@pytest.mark.parametrize('path', ['native', 'python', 'native-device'])
+@pytest.mark.parametrize('path', OPERATOR_PATHS)
 @pytest.mark.parametrize('hybridize', MODES)
 def test_bfloat16_amp_is_as_close_to_float32_as_nn_batchnorm(float32_gradients, tmp_path,
                                                               monkeypatch, path, hybridize):

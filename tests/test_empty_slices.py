@@ -4,7 +4,7 @@ the statistics of the non-empty slices. Across processes: test_multiprocess
 (a worker's empty shard)."""
 import pytest
 
-from tests.conftest import PATHS, result_of, run_batch, run_scenario
+from tests.conftest import OPERATOR_PATHS, PATHS, result_of, run_batch, run_scenario
 
 EXACT = 1e-5
 POSITIONS = {'first': [0], 'middle': [1], 'last': [2], 'two': [0, 2]}
@@ -12,7 +12,7 @@ MODES = [False, True, 'static']
 CASES = [(p, m) for p in POSITIONS for m in MODES]
 
 
-@pytest.fixture(scope='module', params=['native', 'python', 'native-device'])
+@pytest.fixture(scope='module', params=OPERATOR_PATHS)
 def results(request):
     return run_batch([('empty_slices', dict(empty=POSITIONS[p], hybridize=m)) for p, m in CASES],
                      timeout=300, env=PATHS[request.param])

@@ -52,8 +52,12 @@ def test_built_at_first_import_into_the_cache(tmp_path):
     assert reported(out, 'OPERATOR') == 'native'
     assert float(reported(out, 'ERROR')) < 1e-5
     import mxnet
-    built = os.listdir(tmp_path / ('mxnet-%s' % mxnet.__version__))
-    assert len(built) == 1 and built[0].endswith('.so'), built
+    built = sorted(os.listdir(tmp_path / ('mxnet-%s' % mxnet.__version__)))
+    # The library, and the verdict of its asynchronous operator's self-test.
+    assert len(built) == 2 and built[0].endswith('.so'), built
+    assert built[1] == built[0] + '.selftest', built
+    with open(tmp_path / ('mxnet-%s' % mxnet.__version__) / built[1]) as f:
+        assert f.read() == 'ok'
     assert 'RuntimeWarning' not in out.stderr, out.stderr[-2000:]
 
 

@@ -3,13 +3,13 @@ trains with a Trainer exactly like nn.BatchNorm on the concatenated batch.
 The layer's own exactness grid in NumPy mode is in test_layer (``*-numpy``)."""
 import pytest
 
-from tests.conftest import PATHS, result_of, run_batch
+from tests.conftest import OPERATOR_PATHS, PATHS, result_of, run_batch
 
 TRAINED = 1e-5  # relative: losses, parameters and running statistics after 3 SGD steps
 MODES = [False, True, 'static']
 
 
-@pytest.fixture(scope='module', params=['native', 'python', 'native-device'])
+@pytest.fixture(scope='module', params=OPERATOR_PATHS)
 def results(request):
     cases = [('numpy_mode_training', dict(sizes=[1, 3], hybridize=h)) for h in MODES]
     return run_batch(cases, timeout=300, env=PATHS[request.param])

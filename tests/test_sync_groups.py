@@ -5,7 +5,7 @@ import pytest
 
 from gluon_syncbn.errors import SyncBatchNormError
 from gluon_syncbn.groups import check_sync_groups, partition
-from tests.conftest import PATHS, result_of, run_batch, run_scenario
+from tests.conftest import OPERATOR_PATHS, PATHS, result_of, run_batch, run_scenario
 
 EXACT = 1e-5
 GROUPS = [[[0, 1], [2, 3]], 2, [[0, 3], [1], [2]], 1, [[3, 2, 1, 0]]]
@@ -13,7 +13,7 @@ MODES = [False, 'static']
 CASES = [(i, m) for i in range(len(GROUPS)) for m in MODES]
 
 
-@pytest.fixture(scope='module', params=['native', 'python', 'native-device'])
+@pytest.fixture(scope='module', params=OPERATOR_PATHS)
 def results(request):
     return run_batch([('sync_groups_layer', dict(sync_groups=GROUPS[i], hybridize=m))
                       for i, m in CASES], timeout=300, env=PATHS[request.param])

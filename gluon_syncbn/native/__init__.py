@@ -1,7 +1,21 @@
 """The native operators (``syncbn.cc``): built once per MXNet version, loaded with ctypes.
 
-Two operators: the host operator (CPU contexts: the whole layer call) and the
-device operator (GPUs: the synchronization step on per-channel vectors).
+Three operators:
+
+* the asynchronous operator (``async_op.h``), CPU contexts: the whole layer
+  call as an operator of MXNet's own kind, registered in its C++ registry; it
+  runs on the device's engine worker and completes when the devices have met,
+  with no thread waiting and no custom-operator hand-off (6-8x cheaper per call);
+* the host operator (``host_op.h``), CPU contexts: the same call as a custom
+  operator (MXNet's C API), where the asynchronous one is unavailable;
+* the device operator (``device_op.h``), GPUs: the synchronization step on
+  per-channel vectors, a custom operator.
+
+The asynchronous operator relies on the C++ ABI of the libmxnet.so it was
+built against (``mxnet_abi.h``); a self-test in a subprocess checks it once
+per build (``selftest.py``, its verdict in ``<library>.selftest``), and the
+host operator is used if it fails. ``GLUON_SYNCBN_ASYNC=0`` turns it off.
+
 ``GLUON_SYNCBN_OPERATOR`` selects the implementation within one process:
 
 ``auto`` (default)
@@ -15,8 +29,8 @@ device operator (GPUs: the synchronization step on per-channel vectors).
 Across processes (kvstore, Horovod) the Python operator always runs: its
 transports are Python.
 
-The library is compiled with ``$CXX`` (default ``g++``) against the C API
-headers and ``libmxnet.so`` that ship in the mxnet wheel, into
+The library is compiled with ``$CXX`` (default ``g++``) against the headers
+and ``libmxnet.so`` that ship in the mxnet wheel, into
 ``$GLUON_SYNCBN_CACHE`` (default ``~/.cache/gluon_syncbn``), one file per MXNet
 version and source, so an upgrade or an edit rebuilds it and concurrent
 processes never load a half-written file.
@@ -26,6 +40,7 @@ import hashlib
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 import warnings
 
@@ -48,6 +63,7 @@ FLAGS = ['-O3', '-shared', '-fPIC', '-std=c++14',
          '-DMSHADOW_USE_MKL=0', '-DMSHADOW_USE_CBLAS=0', '-DMSHADOW_STAND_ALONE=1',
          '-DDMLC_USE_CXX11=1', '-DMSHADOW_INT64_TENSOR_SIZE=0']
 BUILD_SECONDS = 300
+SELFTEST_SECONDS = 120
 
 _state = {'lib': None, 'why_not': None, 'async': None}
 
@@ -156,7 +172,7 @@ def load():
             if lib.gsbn_register(HOST_OP_TYPE.encode(), DEVICE_OP_TYPE.encode()) != 0:
                 raise NativeUnavailable('MXCustomOpRegister failed')
             _state['lib'] = lib
-            if os.environ.get(ASYNC_VARIABLE, '1') != '0' and lib.gsbn_register_async() == 0:
+            if _async_works(path) and lib.gsbn_register_async() == 0:
                 from ..mxnet_private import operator_functions
                 _state['async'] = operator_functions(ASYNC_OP)
         except (NativeUnavailable, OSError) as exc:
@@ -171,6 +187,36 @@ def load():
         raise SyncBatchNormError('%s=native, but the native operator is not available: %s'
                                  % (IMPLEMENTATION_VARIABLE, _state['why_not']))
     return _state['lib']
+
+
+def _async_works(path):
+    """Whether to register the asynchronous operator: not if
+    ``GLUON_SYNCBN_ASYNC=0``; else if ``selftest.py`` passed with this library
+    (run once in a subprocess, remembered beside it), since it relies on
+    libmxnet's C++ ABI (see mxnet_abi.h)."""
+    if os.environ.get(ASYNC_VARIABLE, '1') == '0':
+        return False
+    if os.environ.get('GLUON_SYNCBN_SELFTEST') == '1':
+        return True  # this is the self-test's process
+    marker = path + '.selftest'
+    if not os.path.exists(marker):
+        try:
+            proc = subprocess.run([sys.executable, '-m', 'gluon_syncbn.native.selftest'],
+                                  capture_output=True, text=True, timeout=SELFTEST_SECONDS,
+                                  env=dict(os.environ, GLUON_SYNCBN_SELFTEST='1'))
+            verdict = 'ok' if proc.returncode == 0 and 'ok' in proc.stdout else (
+                'exit %d: %s' % (proc.returncode, (proc.stderr or proc.stdout)[-500:]))
+        except subprocess.TimeoutExpired:
+            verdict = 'took more than %ds' % SELFTEST_SECONDS
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(marker))
+        with os.fdopen(fd, 'w') as f:
+            f.write(verdict)
+        os.replace(tmp, marker)
+    with open(marker) as f:
+        verdict = f.read()
+    if verdict != 'ok':
+        _state['async_why_not'] = verdict
+    return verdict == 'ok'
 
 
 def take_errors(lib):

@@ -17,6 +17,8 @@
 #include "mxnet_abi.h"
 #include "operator.h"
 
+#include <thread>
+
 namespace {
 
 const char* ASYNC_OP = "_gluon_syncbn_sync";
@@ -26,8 +28,28 @@ const char* ASYNC_BACKWARD_OP = "_backward_gluon_syncbn_sync";
 // shared by its forward and backward.
 struct AsyncState {
   Op op;                 // params, group, device, issue token
+  int dev_id = 0;        // the CPU context's id: where its completion runs
   Info stats;            // the forward's global statistics and call number
 };
+
+// Runs `finish` on the worker of CPU context `dev_id`, now if this thread is
+// the one `issuer` names (the device arrived last, or failed at once), else
+// as an engine operation there: each device normalizes its own slice, in
+// parallel with the others.
+struct Finish { std::function<void()> fn; };
+void run_finish(void*, void* param) { static_cast<Finish*>(param)->fn(); }
+void delete_finish(void* param) { delete static_cast<Finish*>(param); }
+
+void finish_on(int dev_id, std::thread::id issuer, std::function<void()> finish) {
+  if (std::this_thread::get_id() == issuer) return finish();
+  int ctx[2] = {1, dev_id};  // mxnet::Context{kCPU, dev_id}
+  auto* f = new Finish{std::move(finish)};
+  if (MXEnginePushSyncND(run_finish, f, delete_finish, ctx, nullptr, 0, nullptr, 0, nullptr, 0,
+                         "gluon_syncbn_finish") != 0) {
+    run_finish(nullptr, f);  // the engine refused: finish here rather than never
+    delete_finish(f);
+  }
+}
 
 Array array_of(const mxnet::NDArray& a) {
   Array out;
@@ -58,6 +80,7 @@ mxnet::OpStatePtr async_create_state(const nnvm::NodeAttrs& attrs, mxnet::Contex
   auto arguments = node_arguments(attrs);
   for (const auto& kv : arguments) { keys.push_back(kv.first.c_str()); values.push_back(kv.second.c_str()); }
   auto* state = new AsyncState();
+  state->dev_id = ctx.dev_id;
   state->op.params = parse_params(static_cast<int>(keys.size()), keys.data(), values.data());
   std::string error;
   state->op.group = find_group(state->op.params.group_id, &error);
@@ -124,10 +147,13 @@ void async_forward(const mxnet::OpStatePtr& state_ptr, const mxnet::OpContext& c
   // The arrays stay alive (and x's reordered copy with them) until the call
   // completes; the engine holds every other reader and writer back till then.
   std::vector<mxnet::NDArray> keep = {x_nd, in[1], in[2], in[3], in[4], out[0]};
+  const int dev_id = state.dev_id;
+  const std::thread::id issuer = std::this_thread::get_id();
   exchange_async(*op.group, Key(0, token, call), op.device, pack_forward(count, mean, var),
                  p.dtype_name,
                  [=](const std::string& error, const std::vector<double>& total) {
     if (!error.empty()) return complete(on_complete, error);
+    finish_on(dev_id, issuer, [=]() {
     Info stats;
     unpack_forward(total, &stats.n, &stats.mean, &stats.var);
     stats.token = static_cast<double>(token);
@@ -140,6 +166,7 @@ void async_forward(const mxnet::OpStatePtr& state_ptr, const mxnet::OpContext& c
     s->stats = stats;
     (void)keep;
     complete(on_complete, "");
+    });
   });
 }
 
@@ -173,11 +200,14 @@ void async_backward(const mxnet::OpStatePtr& state_ptr, const mxnet::OpContext& 
                     "autograd.record() (train_mode=True).");
   if (!backward_current(p.static_shape, op.token)) return complete(on_complete, stale_message());
   std::vector<mxnet::NDArray> keep = {dy_nd, x_nd, in[2], out[0], out[1], out[2]};
+  const int dev_id = state.dev_id;
+  const std::thread::id issuer = std::this_thread::get_id();
   exchange_async(*op.group, Key(1, static_cast<uint64_t>(stats.token),
                                 static_cast<int64_t>(stats.call)),
                  op.device, pack_backward(sum_dy, sum_dy_xc), p.dtype_name,
                  [=](const std::string& error, const std::vector<double>& total) {
     if (!error.empty()) return complete(on_complete, error);
+    finish_on(dev_id, issuer, [=]() {
     const double n = stats.n;
     std::vector<double> a(C), b(C), k(C);  // dx = a*dy - b - k*(x - mean)
     for (int64_t c = 0; c < C; ++c) {
@@ -197,6 +227,7 @@ void async_backward(const mxnet::OpStatePtr& state_ptr, const mxnet::OpContext& 
     }
     (void)keep;
     complete(on_complete, "");
+    });
   });
 }
 

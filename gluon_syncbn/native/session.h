@@ -30,12 +30,15 @@ namespace {
 struct Exchange;
 struct Group;
 
-std::mutex g_mutex;  // guards every structure below and every Group
+// Never destroyed: the watchdog thread and MXNet's engine threads may still
+// use them while the process exits.
+std::mutex& g_mutex = *new std::mutex();  // guards every structure below and every Group
 uint64_t g_token = 0;        // the current step; advanced by every abort
 uint64_t g_issue_token = 0;  // what calls issued now get: g_token as of the step's start
-std::string g_cause = "";
-std::deque<std::string> g_errors;  // "Kind\tmessage", oldest first
-std::map<std::string, std::shared_ptr<Group>> g_groups;
+std::string& g_cause = *new std::string();
+std::deque<std::string>& g_errors = *new std::deque<std::string>();  // "Kind\tmessage", oldest first
+std::map<std::string, std::shared_ptr<Group>>& g_groups =
+    *new std::map<std::string, std::shared_ptr<Group>>();
 
 typedef std::tuple<int, uint64_t, int64_t> Key;  // (0 fwd / 1 bwd, token, call number)
 
@@ -79,7 +82,8 @@ struct Group {
 };
 
 // Continuations to run once g_mutex is released, with their error or sum.
-std::vector<std::tuple<Waiter, std::string, std::vector<double>>> g_pending;
+std::vector<std::tuple<Waiter, std::string, std::vector<double>>>& g_pending =
+    *new std::vector<std::tuple<Waiter, std::string, std::vector<double>>>();
 
 void release_locked(Group& g, const Key& key, const std::shared_ptr<Exchange>& ex);
 
@@ -272,7 +276,7 @@ bool exchange(Group& g, const Key& key, int device, std::vector<double> value,
 // ------------------------------------------------------------- watchdog --
 // Fails asynchronous exchanges at their deadline: nothing else waits for them.
 
-std::condition_variable g_watchdog_cv;
+std::condition_variable& g_watchdog_cv = *new std::condition_variable();
 bool g_watchdog_started = false;
 
 void watchdog() {

@@ -1,34 +1,35 @@
-// The native SyncBatchNorm operators: registered through MXNet's C API
-// (MXCustomOpRegister, include/mxnet/c_api.h in the mxnet wheel), so they run
-// on MXNet's custom-operator threads exactly as the Python operator in op.py
-// does: blocking there is safe for the same reason (see docs/design.md, "The
-// engine hazard"). What they remove is the Python interpreter and the GIL
-// from every call.
-//
-// Two operators, one session and barrier:
-//   host_op.h    CPU contexts: one operator per call does it all in host memory
-//                (no ~8 MXNet operators around it, each of which may hold a CPU
-//                temp-space slot while it waits: the deadlock bound at depth);
+// The native SyncBatchNorm operators. Three operators, one session and
+// barrier:
+//   async_op.h   CPU contexts: the whole layer call as an operator of MXNet's
+//                own kind (its C++ registry, through mxnet_abi.h): it runs on
+//                the device's engine worker, returns at once and completes when
+//                the devices have met; nothing waits, no custom-operator threads;
+//   host_op.h    CPU contexts, where async_op.h's ABI self-test failed: the
+//                same call as a custom operator (MXCustomOpRegister, the C API),
+//                blocking on MXNet's custom-operator threads, as the Python
+//                operator in op.py does (see docs/design.md, "The engine hazard");
 //   device_op.h  GPUs: MXNet's operators compute the local moments on the
-//                device; this operator exchanges per-channel vectors only.
-//   session.h    the step token, the call-order barrier, recovery: every
-//                failure (a timeout, devices that disagree, a call of an
-//                aborted step) aborts the step; the token advances, every
-//                waiting exchange fails at once with the cause, and the cause
-//                is queued for Python (gsbn_take_errors) to append to MXNet's
-//                generic error. Python's Session calls gsbn_abort for failures
-//                it sees first. One token, one path.
+//                device; this custom operator exchanges per-channel vectors only.
+//   session.h    the step token, the call-order barrier (blocking for the custom
+//                operators, with continuations for async_op.h, whose deadlines a
+//                watchdog thread keeps), recovery: every failure (a timeout,
+//                devices that disagree, a call of an aborted step) aborts the
+//                step; the token advances, every waiting exchange fails at once
+//                with the cause, and the cause is queued for Python
+//                (gsbn_take_errors). Python's Session calls gsbn_abort for
+//                failures it sees first. One token, one path.
 //   wire.h       the exchanged vectors' layouts (gluon_syncbn/wire.py's).
-//   arrays.h     reading and writing the callbacks' arrays: in place, or by
-//                copies through MXNet.
-//   operator.h   arguments, instances and property callbacks of both.
+//   arrays.h     reading and writing arrays: in place, or by copies through MXNet.
+//   operator.h   arguments, instances and property callbacks of the custom ones.
+//   mxnet_abi.h  every reliance on libmxnet's C++ ABI.
 //
 // Reliance on MXNet 1.9.1 behaviour (listed with the Python ones in
-// gluon_syncbn/mxnet_private.py): the arrays a callback gets are fresh
-// NDArrays over the operator's own default-layout memory (custom.cc
+// gluon_syncbn/mxnet_private.py): the arrays a custom-operator callback gets
+// are fresh NDArrays over the operator's own default-layout memory (custom.cc
 // AllocateNDArrayCopy after CreateDefaultInputs), so raw pointers are safe and
 // waiting on them cannot deadlock; a callback returns 1 for success and must
-// MXNDArrayFree every handle; mxnet::Context is {int32 dev_type, int32 dev_id}.
+// MXNDArrayFree every handle; mxnet::Context is {int32 dev_type, int32 dev_id};
+// an asynchronous operator's completion may be called from any thread.
 #include "mxnet_abi.h"  // first: its #define must precede every MXNet header
 
 #include <mxnet/c_api.h>

@@ -1,0 +1,74 @@
+"""Run in a subprocess by ``native.load()``: does the asynchronous operator
+work with this MXNet build? It relies on libmxnet's C++ ABI (see
+``mxnet_abi.h``); a build whose ABI differs crashes here, not in the user's
+process. Checks one device's forward and backward, imperative and in a static
+graph, against NumPy. Prints ``ok`` and exits 0 if so."""
+import os
+import sys
+
+import numpy as np
+
+os.environ['GLUON_SYNCBN_SELFTEST'] = '1'  # load() registers without asking us again
+
+import mxnet as mx  # noqa: E402
+from mxnet import autograd, gluon  # noqa: E402
+
+from gluon_syncbn import native  # noqa: E402
+
+GROUP = '_gluon_syncbn_selftest'
+
+
+def reference(x, gamma, beta, w, eps):
+    mean = x.mean(axis=(0, 2))
+    var = x.var(axis=(0, 2))
+    xhat = (x - mean[None, :, None]) / np.sqrt(var + eps)[None, :, None]
+    dxhat = w * gamma[None, :, None]
+    n = x.shape[0] * x.shape[2]
+    dx = (dxhat - dxhat.mean(axis=(0, 2))[None, :, None]
+          - xhat * (dxhat * xhat).mean(axis=(0, 2))[None, :, None]) / np.sqrt(var + eps)[None, :, None]
+    return xhat * gamma[None, :, None] + beta[None, :, None], dx, (w * xhat).sum(axis=(0, 2))
+
+
+def main():
+    lib = native.load()
+    ops = native.async_operator()
+    if lib is None or ops is None:
+        sys.exit('the native library did not load')
+    subgroups = (native.ctypes.c_int * 1)(0)
+    lib.gsbn_group_create(GROUP.encode(), b'selftest', b'cpu(0)', 1, 60.0, b'', subgroups, 1)
+    rng = np.random.RandomState(0)
+    x = rng.randn(4, 3, 5)
+    w = rng.randn(4, 3, 5)
+    gamma, beta = rng.rand(3) + 0.5, rng.randn(3)
+    eps = 1e-5
+    want_y, want_dx, want_dgamma = reference(x, gamma, beta, w, eps)
+    kwargs = dict(group=GROUP, eps=eps, momentum=0.9, fix_gamma=False, axis=1,
+                  input_dtype='float64')
+
+    class Layer(gluon.HybridBlock):
+        def hybrid_forward(self, F, data, g, b, m, v):
+            return ops[F](data, g, b, m, v, static_shape=True, **kwargs)
+
+    for hybridize in (False, True):
+        arrays = [mx.nd.array(a, dtype='float64') for a in (x, gamma, beta)]
+        running = [mx.nd.zeros(3, dtype='float64'), mx.nd.ones(3, dtype='float64')]
+        for a in arrays:
+            a.attach_grad()
+        layer = Layer()
+        if hybridize:
+            layer.hybridize(static_alloc=True, static_shape=True)
+        with autograd.record():
+            y = layer(*(arrays + running))
+            loss = (y * mx.nd.array(w, dtype='float64')).sum()
+        loss.backward()
+        for got, want in ((y, want_y), (arrays[0].grad, want_dx), (arrays[1].grad, want_dgamma),
+                          (arrays[2].grad, w.sum(axis=(0, 2))),
+                          (running[0], 0.1 * x.mean(axis=(0, 2)))):
+            if not np.allclose(got.asnumpy(), want, rtol=1e-9, atol=1e-9):
+                sys.exit('wrong results (hybridized=%s)' % hybridize)
+    lib.gsbn_group_remove(GROUP.encode())
+    print('ok')
+
+
+if __name__ == '__main__':
+    main()
