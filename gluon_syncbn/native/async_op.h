@@ -15,8 +15,10 @@
 // call holds until it completes.
 #pragma once
 #include "mxnet_abi.h"
+#include "maths.h"
 #include "operator.h"
 
+#include <array>
 #include <thread>
 
 namespace {
@@ -109,35 +111,15 @@ void async_forward(const mxnet::OpStatePtr& state_ptr, const mxnet::OpContext& c
   Array x = array_of(x_nd), gamma = array_of(in[1]), beta = array_of(in[2]);
   Array rmean = array_of(in[3]), rvar = array_of(in[4]), y = array_of(out[0]);
   const int write = req[0];
-  Layout l(x.shape, p.axis);
-  const int64_t C = l.channels;
-  auto normalize = [=](const Info& stats) {
-    std::vector<double> scale(C), shift(C);
-    for (int64_t c = 0; c < C; ++c) {
-      double inv_std = 1.0 / std::sqrt(stats.var[c] + p.eps);
-      scale[c] = (p.fix_gamma ? 1.0 : at(gamma, c)) * inv_std;
-      shift[c] = at(beta, c) - stats.mean[c] * scale[c];
-    }
-    if (write != kNull)
-      for_each(l, [&](int64_t c, int64_t i) { put(y, i, at(x, i) * scale[c] + shift[c], write); });
-  };
+  const Layout l(x.shape, p.axis);
   if (!ctx.is_train) {  // predict mode inside a graph: the running statistics
-    Info stats;
-    for (int64_t c = 0; c < C; ++c) {
-      stats.mean.push_back(at(rmean, c));
-      stats.var.push_back(at(rvar, c));
-    }
-    normalize(stats);
+    normalize(p, l, x, gamma, beta, running_statistics(rmean, rvar), y, write);
     state.stats = Info();  // call < 0: no backward through it
     ctx.async_on_complete();
     return;
   }
-  std::vector<double> mean(C, 0.0), var(C, 0.0);
-  for_each(l, [&](int64_t c, int64_t i) { mean[c] += at(x, i); });
-  const double count = static_cast<double>(l.count());
-  for (int64_t c = 0; c < C && count > 0; ++c) mean[c] /= count;
-  for_each(l, [&](int64_t c, int64_t i) { double d = at(x, i) - mean[c]; var[c] += d * d; });
-  for (int64_t c = 0; c < C && count > 0; ++c) var[c] /= count;
+  std::vector<double> mean, var;
+  const double count = local_moments(l, x, &mean, &var);
   uint64_t token;
   int64_t call;
   auto on_complete = ctx.async_on_complete;
@@ -149,24 +131,21 @@ void async_forward(const mxnet::OpStatePtr& state_ptr, const mxnet::OpContext& c
   std::vector<mxnet::NDArray> keep = {x_nd, in[1], in[2], in[3], in[4], out[0]};
   const int dev_id = state.dev_id;
   const std::thread::id issuer = std::this_thread::get_id();
-  exchange_async(*op.group, Key(0, token, call), op.device, pack_forward(count, mean, var),
-                 p.dtype_name,
-                 [=](const std::string& error, const std::vector<double>& total) {
-    if (!error.empty()) return complete(on_complete, error);
-    finish_on(dev_id, issuer, [=]() {
+  auto finish = [=](const std::vector<double>& total) {
     Info stats;
     unpack_forward(total, &stats.n, &stats.mean, &stats.var);
     stats.token = static_cast<double>(token);
     stats.call = static_cast<double>(call);
-    for (int64_t c = 0; c < C; ++c) {  // running mean/var are this operator's to write
-      put(rmean, c, at(rmean, c) * p.momentum + stats.mean[c] * (1.0 - p.momentum), 1);
-      put(rvar, c, at(rvar, c) * p.momentum + stats.var[c] * (1.0 - p.momentum), 1);
-    }
-    normalize(stats);
+    update_running(p, rmean, rvar, stats);  // mutable inputs: ours to write
+    normalize(p, l, x, gamma, beta, stats, y, write);
     s->stats = stats;
     (void)keep;
     complete(on_complete, "");
-    });
+  };
+  exchange_async(*op.group, Key(0, token, call), op.device, pack_forward(count, mean, var),
+                 p.dtype_name, [=](const std::string& error, const std::vector<double>& total) {
+    if (!error.empty()) return complete(on_complete, error);
+    finish_on(dev_id, issuer, [=]() { finish(total); });
   });
 }
 
@@ -180,54 +159,29 @@ void async_backward(const mxnet::OpStatePtr& state_ptr, const mxnet::OpContext& 
   const mxnet::NDArray dy_nd = plain(in[0]), x_nd = plain(in[1]);
   Array dy = array_of(dy_nd), x = array_of(x_nd), gamma = array_of(in[2]);
   Array dx = array_of(out[0]), dgamma = array_of(out[1]), dbeta = array_of(out[2]);
-  const int req_dx = req[0], req_dgamma = req[1], req_dbeta = req[2];
+  const std::array<int, 3> reqs = {req[0], req[1], req[2]};
   auto on_complete = ctx.async_on_complete;
   const Info stats = state.stats;
-  Layout l(x.shape, p.axis);
-  const int64_t C = l.channels;
-  std::vector<double> inv_std(C), sum_dy(C, 0.0), sum_dy_xc(C, 0.0);
-  if (stats.call >= 0) {
-    for (int64_t c = 0; c < C; ++c) inv_std[c] = 1.0 / std::sqrt(stats.var[c] + p.eps);
-    for_each(l, [&](int64_t c, int64_t i) {
-      double d = at(dy, i);
-      sum_dy[c] += d;
-      sum_dy_xc[c] += d * (at(x, i) - stats.mean[c]);
-    });
-  }
-  if (stats.call < 0)
-    return complete(on_complete, "SyncBatchNorm '" + op.group->name + "': backward through a "
-                    "call made in inference mode; record the forward pass under "
-                    "autograd.record() (train_mode=True).");
+  if (stats.call < 0) return complete(on_complete, inference_backward(op.group->name));
+  const Layout l(x.shape, p.axis);
+  std::vector<double> sum_dy, sum_dy_xc;
+  backward_sums(l, dy, x, stats, &sum_dy, &sum_dy_xc);
   if (!backward_current(p.static_shape, op.token)) return complete(on_complete, stale_message());
   std::vector<mxnet::NDArray> keep = {dy_nd, x_nd, in[2], out[0], out[1], out[2]};
   const int dev_id = state.dev_id;
   const std::thread::id issuer = std::this_thread::get_id();
+  auto finish = [=](const std::vector<double>& total) {
+    write_gradients(p, l, dy, x, gamma, stats, total, sum_dy, sum_dy_xc, dx, dgamma, dbeta,
+                    reqs.data());
+    (void)keep;
+    complete(on_complete, "");
+  };
   exchange_async(*op.group, Key(1, static_cast<uint64_t>(stats.token),
                                 static_cast<int64_t>(stats.call)),
                  op.device, pack_backward(sum_dy, sum_dy_xc), p.dtype_name,
                  [=](const std::string& error, const std::vector<double>& total) {
     if (!error.empty()) return complete(on_complete, error);
-    finish_on(dev_id, issuer, [=]() {
-    const double n = stats.n;
-    std::vector<double> a(C), b(C), k(C);  // dx = a*dy - b - k*(x - mean)
-    for (int64_t c = 0; c < C; ++c) {
-      double gscale = (p.fix_gamma ? 1.0 : at(gamma, c)) * inv_std[c];
-      a[c] = gscale;
-      b[c] = gscale * total[c] / n;
-      k[c] = gscale * inv_std[c] * inv_std[c] * total[C + c] / n;
-    }
-    if (req_dx != kNull)
-      for_each(l, [&](int64_t c, int64_t i) {
-        put(dx, i, a[c] * at(dy, i) - b[c] - k[c] * (at(x, i) - stats.mean[c]), req_dx);
-      });
-    for (int64_t c = 0; c < C; ++c) {  // gamma and beta gradients stay per device
-      if (req_dgamma != kNull)
-        put(dgamma, c, p.fix_gamma ? 0.0 : sum_dy_xc[c] * inv_std[c], req_dgamma);
-      if (req_dbeta != kNull) put(dbeta, c, sum_dy[c], req_dbeta);
-    }
-    (void)keep;
-    complete(on_complete, "");
-    });
+    finish_on(dev_id, issuer, [=]() { finish(total); });
   });
 }
 

@@ -16,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "maths.h"
 #include "operator.h"
 
 namespace {
@@ -52,22 +53,12 @@ int host_forward(int size, void** ptrs, int* tags, const int* req, const int is_
   Array y = view(h.by_tag[kOutData][0]), info = view(h.by_tag[kOutData][1]);
   Array rmean = view(h.by_tag[kAux][0]), rvar = view(h.by_tag[kAux][1]);
   Layout l(x.shape, p.axis);
-  const int64_t C = l.channels;
   Info stats;  // the statistics we normalize with, and (training) the call's step
   if (!is_train) {  // predict mode inside a graph: the running statistics
-    for (int64_t c = 0; c < C; ++c) {
-      stats.mean.push_back(at(rmean, c));
-      stats.var.push_back(at(rvar, c));
-    }
+    stats = running_statistics(rmean, rvar);
   } else {
-    // Local moments in float64: the mean first, then squared deviations from
-    // it, so |mean| >> std loses nothing before the float64 merge.
-    std::vector<double> mean(C, 0.0), var(C, 0.0);
-    for_each(l, [&](int64_t c, int64_t i) { mean[c] += at(x, i); });
-    const double count = static_cast<double>(l.count());  // 0: an empty slice takes part
-    for (int64_t c = 0; c < C && count > 0; ++c) mean[c] /= count;
-    for_each(l, [&](int64_t c, int64_t i) { double d = at(x, i) - mean[c]; var[c] += d * d; });
-    for (int64_t c = 0; c < C && count > 0; ++c) var[c] /= count;
+    std::vector<double> mean, var;
+    const double count = local_moments(l, x, &mean, &var);
     if (!exchange_forward(op, count, mean, var, &stats)) return failed_call();
     if (p.static_shape && g.running.size() == g.devices.size()) {
       auto* u = new RunningUpdate{{g.running[op.device][0], g.running[op.device][1]},
@@ -80,20 +71,10 @@ int host_forward(int size, void** ptrs, int* tags, const int* req, const int is_
                                    MXGetLastError());
     } else {  // this call holds write access to its auxiliary states (or, in a
               // static graph traced before its shapes were known, the next one will)
-      for (int64_t c = 0; c < C; ++c) {
-        put(rmean, c, at(rmean, c) * p.momentum + stats.mean[c] * (1.0 - p.momentum), 1);
-        put(rvar, c, at(rvar, c) * p.momentum + stats.var[c] * (1.0 - p.momentum), 1);
-      }
+      update_running(p, rmean, rvar, stats);
     }
   }
-  std::vector<double> scale(C), shift(C);
-  for (int64_t c = 0; c < C; ++c) {
-    double inv_std = 1.0 / std::sqrt(stats.var[c] + p.eps);
-    scale[c] = (p.fix_gamma ? 1.0 : at(gamma, c)) * inv_std;
-    shift[c] = at(beta, c) - stats.mean[c] * scale[c];
-  }
-  if (req[0] != kNull)
-    for_each(l, [&](int64_t c, int64_t i) { put(y, i, at(x, i) * scale[c] + shift[c], req[0]); });
+  normalize(p, l, x, gamma, beta, stats, y, req[0]);
   std::vector<double> packed = pack_info(stats);
   for (size_t k = 0; k < packed.size(); ++k) put(info, k, packed[k], 1);
   return 1;
@@ -110,37 +91,13 @@ int host_backward(int size, void** ptrs, int* tags, const int* req, const int,
   Array dx = view(h.by_tag[kInGrad][0]), dgamma = view(h.by_tag[kInGrad][1]),
         dbeta = view(h.by_tag[kInGrad][2]);
   Layout l(x.shape, p.axis);
-  const int64_t C = l.channels;
   std::vector<double> packed(info.size());
   for (int64_t k = 0; k < info.size(); ++k) packed[k] = at(info, k);
   const Info stats = unpack_info(packed);
-  const std::vector<double>& mean = stats.mean;
-  const double n = stats.n;
-  std::vector<double> inv_std(C), sum_dy(C, 0.0), sum_dy_xc(C, 0.0);
-  for (int64_t c = 0; c < C; ++c) inv_std[c] = 1.0 / std::sqrt(stats.var[c] + p.eps);
-  for_each(l, [&](int64_t c, int64_t i) {
-    double d = at(dy, i);
-    sum_dy[c] += d;
-    sum_dy_xc[c] += d * (at(x, i) - mean[c]);
-  });
-  std::vector<double> total;
+  std::vector<double> sum_dy, sum_dy_xc, total;
+  backward_sums(l, dy, x, stats, &sum_dy, &sum_dy_xc);
   if (!exchange_backward(op, stats, sum_dy, sum_dy_xc, &total)) return failed_call();
-  std::vector<double> a(C), b(C), k(C);  // dx = a*dy - b - k*(x - mean)
-  for (int64_t c = 0; c < C; ++c) {
-    double gscale = (p.fix_gamma ? 1.0 : at(gamma, c)) * inv_std[c];
-    a[c] = gscale;
-    b[c] = gscale * total[c] / n;
-    k[c] = gscale * inv_std[c] * inv_std[c] * total[C + c] / n;
-  }
-  if (req[0] != kNull)
-    for_each(l, [&](int64_t c, int64_t i) {
-      put(dx, i, a[c] * at(dy, i) - b[c] - k[c] * (at(x, i) - mean[c]), req[0]);
-    });
-  // gamma and beta gradients stay per device; the Trainer sums them.
-  for (int64_t c = 0; c < C; ++c) {
-    if (req[1] != kNull) put(dgamma, c, p.fix_gamma ? 0.0 : sum_dy_xc[c] * inv_std[c], req[1]);
-    if (req[2] != kNull) put(dbeta, c, sum_dy[c], req[2]);
-  }
+  write_gradients(p, l, dy, x, gamma, stats, total, sum_dy, sum_dy_xc, dx, dgamma, dbeta, req);
   return 1;
 }
 

@@ -61,6 +61,12 @@ struct Handles {  // the callback's arrays by tag, freed when it returns
   ~Handles() { for (int i = 0; i < size; ++i) MXNDArrayFree(ptrs[i]); }
 };
 
+// Why a backward call cannot be: its forward ran in inference mode.
+std::string inference_backward(const std::string& layer) {
+  return "SyncBatchNorm '" + layer + "': backward through a call made in inference mode; "
+         "record the forward pass under autograd.record() (train_mode=True).";
+}
+
 // The forward exchange of one call: numbers it, sums the devices' FORWARD
 // vectors, and fills `stats` with the group's statistics and the call's step
 // and number. False (error recorded) if the call failed.
@@ -86,9 +92,7 @@ bool exchange_forward(const Op& op, double count, const std::vector<double>& mea
 bool exchange_backward(const Op& op, const Info& stats, const std::vector<double>& sum_dy,
                        const std::vector<double>& sum_dy_xc, std::vector<double>* total) {
   if (stats.call < 0) {
-    fail("SyncBatchNormError", "SyncBatchNorm '" + op.group->name + "': backward through a "
-         "call made in inference mode; record the forward pass under autograd.record() "
-         "(train_mode=True).");
+    fail("SyncBatchNormError", inference_backward(op.group->name));
     return false;
   }
   std::string error;
