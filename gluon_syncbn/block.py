@@ -354,14 +354,14 @@ class SyncBatchNorm(HybridBlock):
             elif not imperative and dtype == 'float32':
                 x = F.amp_cast(x, dtype='float32')  # AMP's float16/bfloat16, as below
             sync = native.async_operator()[F]
-            out = sync(x, gamma, beta, running_mean,
-                       running_var, group=group.group_id, eps=self._kwargs['eps'],
-                       momentum=self._kwargs['momentum'], fix_gamma=self._kwargs['fix_gamma'],
-                       static_shape=self._static_shape, axis=axis, input_dtype=dtype,
-                       name='sync')
+            out = sync(x, gamma, beta, running_mean, running_var, group=group.group_id,
+                       eps=self._kwargs['eps'], momentum=self._kwargs['momentum'],
+                       fix_gamma=self._kwargs['fix_gamma'], static_shape=self._static_shape,
+                       axis=axis, input_dtype=dtype, name='sync')
             return F.Cast(out, dtype=operator_dtype(dtype)) if half else out
         if group.operator == 'host':
-            # One native operator does it all: local moments, the rendezvous,
+            # Where the asynchronous one is unavailable: one custom operator
+            # does it all: local moments, the rendezvous,
             # normalization and running statistics (see native/host_op.h).
             # float16/32 go through float64: the Casts hand the operator x and
             # dy in MXNet's default layout (see mxnet_private.py, "layouts").

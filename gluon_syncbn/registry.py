@@ -237,8 +237,9 @@ class SyncGroup(object):
         hint = timeout_hint(self.devices)
         self.barrier = CallOrderBarrier(name, self.devices, timeout, hint=hint, session=SESSION)
         self.host_memory = in_host_memory(self.devices)
-        # Which operator synchronizes the calls: the native host operator (CPU
-        # contexts), the native device operator (GPUs), or the Python one
+        # Which operator synchronizes the calls: the native asynchronous
+        # operator (CPU contexts; the native host operator where its self-test
+        # failed), the native device operator (GPUs), or the Python one
         # (across processes: its transports are Python; or no native library).
         if SESSION._native is None or self.transport.cross_process:
             self.operator = 'python'
