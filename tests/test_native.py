@@ -18,7 +18,6 @@ import gluon_syncbn
 gluon_syncbn.configure_cpu_contexts(2)
 import mxnet as mx
 from mxnet import autograd
-from gluon_syncbn.registry import SESSION
 from tests.reference import batchnorm_float64, max_rel_err
 ctx = [mx.cpu(0), mx.cpu(1)]
 bn = gluon_syncbn.SyncBatchNorm(in_channels=3)
@@ -28,7 +27,7 @@ xs = [mx.nd.array(x[:2], ctx=ctx[0]), mx.nd.array(x[2:], ctx=ctx[1])]
 with autograd.record():
     ys = [bn(a) for a in xs]
 y64 = batchnorm_float64(x, np.ones_like(x), np.ones(3), np.zeros(3))[0]
-print('OPERATOR', 'native' if SESSION._native is not None else 'python')
+print('OPERATOR', bn._sync_group().operator)
 print('ERROR', max_rel_err(np.concatenate([y.asnumpy() for y in ys]), y64))
 '''
 
@@ -49,7 +48,7 @@ def reported(out, key):
 
 def test_built_at_first_import_into_the_cache(tmp_path):
     out = python(TWO_DEVICE_STEP, GLUON_SYNCBN_CACHE=str(tmp_path))
-    assert reported(out, 'OPERATOR') == 'native'
+    assert reported(out, 'OPERATOR') == 'async'
     assert float(reported(out, 'ERROR')) < 1e-5
     import mxnet
     built = sorted(os.listdir(tmp_path / ('mxnet-%s' % mxnet.__version__)))
@@ -59,6 +58,23 @@ def test_built_at_first_import_into_the_cache(tmp_path):
     with open(tmp_path / ('mxnet-%s' % mxnet.__version__) / built[1]) as f:
         assert f.read() == 'ok'
     assert 'RuntimeWarning' not in out.stderr, out.stderr[-2000:]
+
+
+def test_a_failed_self_test_keeps_to_the_custom_operator(tmp_path):
+    first = python(TWO_DEVICE_STEP, GLUON_SYNCBN_CACHE=str(tmp_path))
+    assert reported(first, 'OPERATOR') == 'async'
+    # A build whose C++ ABI differs from the wheel's: its self-test's verdict.
+    folder = tmp_path / os.listdir(tmp_path)[0]
+    marker = [folder / name for name in os.listdir(folder) if name.endswith('.selftest')][0]
+    marker.write_text('exit -11: simulated')
+    out = python(TWO_DEVICE_STEP, GLUON_SYNCBN_CACHE=str(tmp_path))
+    assert reported(out, 'OPERATOR') == 'host'
+    assert float(reported(out, 'ERROR')) < 1e-5
+    assert out.stderr.count('RuntimeWarning') == 1, out.stderr[-3000:]
+    assert 'failed its self-test' in out.stderr and 'exit -11: simulated' in out.stderr
+    quiet = python(TWO_DEVICE_STEP, GLUON_SYNCBN_CACHE=str(tmp_path), GLUON_SYNCBN_ASYNC='0')
+    assert reported(quiet, 'OPERATOR') == 'host'
+    assert 'RuntimeWarning' not in quiet.stderr, quiet.stderr[-2000:]
 
 
 def test_without_a_compiler_falls_back_with_one_warning(tmp_path):
