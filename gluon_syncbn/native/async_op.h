@@ -11,8 +11,8 @@
 //   backward: dy, x, gamma -> dx, d gamma, d beta
 //             BACKWARD exchange of call #k (its statistics kept in the state)
 //
-// The maths are host_op.h's; MKL-DNN inputs are reordered into arrays the
-// call holds until it completes.
+// The maths are maths.h's, as the custom host operator's; MKL-DNN inputs are
+// reordered into arrays the call holds until it completes.
 #pragma once
 #include "mxnet_abi.h"
 #include "maths.h"
@@ -76,14 +76,22 @@ void complete(const mxnet::engine::CallbackOnComplete& on_complete, const std::s
   }
 }
 
-mxnet::OpStatePtr async_create_state(const nnvm::NodeAttrs& attrs, mxnet::Context ctx,
-                                     const mxnet::ShapeVector&, const std::vector<int>&) {
+// The block's string arguments of a node (group, eps, momentum, ...).
+Params node_params(const nnvm::NodeAttrs& attrs) {
   std::vector<const char*> keys, values;
   auto arguments = node_arguments(attrs);
-  for (const auto& kv : arguments) { keys.push_back(kv.first.c_str()); values.push_back(kv.second.c_str()); }
+  for (const auto& kv : arguments) {
+    keys.push_back(kv.first.c_str());
+    values.push_back(kv.second.c_str());
+  }
+  return parse_params(static_cast<int>(keys.size()), keys.data(), values.data());
+}
+
+mxnet::OpStatePtr async_create_state(const nnvm::NodeAttrs& attrs, mxnet::Context ctx,
+                                     const mxnet::ShapeVector&, const std::vector<int>&) {
   auto* state = new AsyncState();
   state->dev_id = ctx.dev_id;
-  state->op.params = parse_params(static_cast<int>(keys.size()), keys.data(), values.data());
+  state->op.params = node_params(attrs);
   std::string error;
   state->op.group = find_group(state->op.params.group_id, &error);
   CHECK(state->op.group) << error;
@@ -191,14 +199,7 @@ bool async_infer_shape(const nnvm::NodeAttrs& attrs, mxnet::ShapeVector* in,
                        mxnet::ShapeVector* out) {
   const mxnet::TShape& data = (*in)[0];
   if (!mxnet::ndim_is_known(data)) return false;
-  Params p;
-  for (const auto& kv : node_arguments(attrs)) {
-    const char* k = kv.first.c_str();
-    const char* v = kv.second.c_str();
-    Params one = parse_params(1, &k, &v);
-    if (kv.first == "axis") p.axis = one.axis;
-    if (kv.first == "group") p.group_id = one.group_id;
-  }
+  const Params p = node_params(attrs);
   const int ndim = data.ndim();
   std::string name = layer_name(p);
   CHECK(ndim >= 2 && ndim <= 5) << "SyncBatchNorm '" << name << "' expects input of 2 to 5 "
