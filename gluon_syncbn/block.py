@@ -346,19 +346,20 @@ class SyncBatchNorm(HybridBlock):
                 request_retrace()  # shapes are known after the first call
         if group.operator == 'async':
             # One native operator of MXNet's own kind does it all, without a
-            # custom operator's threads (native/async_op.h). float16/bfloat16
-            # through float32.
-            half = dtype in LOW_PRECISION
-            if half:
-                x = F.Cast(x, dtype='float32')
-            elif not imperative and dtype == 'float32':
-                x = F.amp_cast(x, dtype='float32')  # AMP's float16/bfloat16, as below
+            # custom operator's threads (native/async_op.h). Input other than
+            # float32/float64, and whatever AMP feeds a traced float32 graph,
+            # goes through float64 and back: through float32 Casts, float16
+            # input got garbage input gradients in hybridized graphs (a
+            # BN-relu-BN net, 2026-11-23; float64 Casts, as the host operator
+            # uses, gave exact ones).
+            wide = dtype in LOW_PRECISION or (not imperative and dtype == 'float32')
             sync = native.async_operator()[F]
-            out = sync(x, gamma, beta, running_mean, running_var, group=group.group_id,
-                       eps=self._kwargs['eps'], momentum=self._kwargs['momentum'],
-                       fix_gamma=self._kwargs['fix_gamma'], static_shape=self._static_shape,
-                       axis=axis, input_dtype=dtype, name='sync')
-            return F.Cast(out, dtype=operator_dtype(dtype)) if half else out
+            out = sync(F.Cast(x, dtype='float64') if wide else x, gamma, beta, running_mean,
+                       running_var, group=group.group_id, eps=self._kwargs['eps'],
+                       momentum=self._kwargs['momentum'], fix_gamma=self._kwargs['fix_gamma'],
+                       static_shape=self._static_shape, axis=axis, input_dtype=dtype,
+                       name='sync')
+            return F.Cast(out, dtype=operator_dtype(dtype)) if wide else out
         if group.operator == 'host':
             # Where the asynchronous one is unavailable: one custom operator
             # does it all: local moments, the rendezvous,

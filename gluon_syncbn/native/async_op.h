@@ -8,7 +8,7 @@
 //
 //   forward:  x, gamma, beta, running mean/var (mutated) -> y
 //             local moments -> FORWARD exchange -> normalize, running stats
-//   backward: dy, x, gamma -> dx, d gamma, d beta
+//   backward: dy, x, gamma (and y, to follow the forward) -> dx, d gamma, d beta
 //             BACKWARD exchange of call #k (its statistics kept in the state)
 //
 // The maths are maths.h's, as the custom host operator's; MKL-DNN inputs are
@@ -249,13 +249,17 @@ std::vector<uint32_t> async_mutated(const nnvm::NodeAttrs&) { return {3, 4}; }
 
 mxnet::ExecType async_exec(const nnvm::NodeAttrs&) { return mxnet::ExecType::kAsync; }
 
-// Backward node: dy, x, gamma in; d x, d gamma, d beta out; the running
-// statistics get no gradient (as nn.BatchNorm's).
+// Backward node: dy, x, gamma and y in; d x, d gamma, d beta out; the
+// running statistics get no gradient (as nn.BatchNorm's). y is read for its
+// engine dependency alone: backward uses the statistics the forward leaves
+// in the state, so it must not start before the forward completed (dy need
+// not depend on y: a head gradient does not).
 std::vector<nnvm::NodeEntry> async_gradient(const nnvm::ObjectPtr& node,
                                             const std::vector<nnvm::NodeEntry>& out_grads) {
   const auto& inputs = reinterpret_cast<const NodeLayout*>(node.get())->inputs;
-  nnvm::ObjectPtr grad = make_node(ASYNC_BACKWARD_OP, {out_grads[0], inputs[0], inputs[1]},
-                                   {node});
+  nnvm::ObjectPtr grad = make_node(
+      ASYNC_BACKWARD_OP, {out_grads[0], inputs[0], inputs[1], nnvm::NodeEntry(node, 0, 0)},
+      {node});
   nnvm::ObjectPtr none = make_node("_NoGradient", {}, {});
   return {nnvm::NodeEntry(grad, 0, 0), nnvm::NodeEntry(grad, 1, 0),
           nnvm::NodeEntry(grad, 2, 0), nnvm::NodeEntry(none, 0, 0),
@@ -279,7 +283,7 @@ void register_async_op() {
   set_attr<mxnet::FStatefulComputeEx>(fwd, "FStatefulComputeEx<cpu>", OLD_ABI(async_forward));
   set_attr<nnvm::FGradient>(fwd, "FGradient", OLD_ABI(async_gradient));
   nnvm::Op* bwd = &registry->__REGISTER_OR_GET__(ASYNC_BACKWARD_OP);
-  bwd->set_num_inputs(3).set_num_outputs(3);
+  bwd->set_num_inputs(4).set_num_outputs(3);
   set_attr<bool>(bwd, "TIsBackward", true);
   set_attr<bool>(bwd, "TIsLayerOpBackward", true);
   set_attr<mxnet::FInferStorageType>(bwd, "FInferStorageType", OLD_ABI(async_infer_storage));
