@@ -118,9 +118,9 @@ def build(path):
     os.makedirs(os.path.dirname(path), exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix='.so', dir=os.path.dirname(path))
     os.close(fd)
-    command = [compiler] + FLAGS + ['-DMXNET_USE_MKLDNN=%d' % _mkldnn(),
-                                    '-I' + os.path.join(mx_dir, 'include'),
-                                    '-I' + os.path.join(mx_dir, 'include', 'mkldnn'), SOURCE, '-o', tmp,
+    include = os.path.join(mx_dir, 'include')
+    command = [compiler] + FLAGS + ['-DMXNET_USE_MKLDNN=%d' % _mkldnn(), '-I' + include,
+                                    '-I' + os.path.join(include, 'mkldnn'), SOURCE, '-o', tmp,
                                     '-L' + mx_dir, '-l:libmxnet.so', '-Wl,-rpath,' + mx_dir]
     try:
         proc = subprocess.run(command, capture_output=True, text=True, timeout=BUILD_SECONDS)

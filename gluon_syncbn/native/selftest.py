@@ -23,9 +23,9 @@ def reference(x, gamma, beta, w, eps):
     var = x.var(axis=(0, 2))
     xhat = (x - mean[None, :, None]) / np.sqrt(var + eps)[None, :, None]
     dxhat = w * gamma[None, :, None]
-    n = x.shape[0] * x.shape[2]
     dx = (dxhat - dxhat.mean(axis=(0, 2))[None, :, None]
-          - xhat * (dxhat * xhat).mean(axis=(0, 2))[None, :, None]) / np.sqrt(var + eps)[None, :, None]
+          - xhat * (dxhat * xhat).mean(axis=(0, 2))[None, :, None])
+    dx /= np.sqrt(var + eps)[None, :, None]
     return xhat * gamma[None, :, None] + beta[None, :, None], dx, (w * xhat).sum(axis=(0, 2))
 
 
