@@ -95,17 +95,10 @@ mxnet::OpStatePtr async_create_state(const nnvm::NodeAttrs& attrs, mxnet::Contex
   std::string error;
   state->op.group = find_group(state->op.params.group_id, &error);
   CHECK(state->op.group) << error;
-  const std::string device = "cpu(" + std::to_string(ctx.dev_id) + ")";
-  state->op.device = -1;
-  for (size_t i = 0; i < state->op.group->devices.size(); ++i)
-    if (state->op.group->devices[i] == device) state->op.device = static_cast<int>(i);
-  CHECK_GE(state->op.device, 0) << "SyncBatchNorm '" << state->op.group->name
-      << "' was called on " << device << ", but its parameters live on "
-      << join(state->op.group->devices) << ". Initialize the network on every context you feed.";
-  {
-    std::lock_guard<std::mutex> lock(g_mutex);
-    state->op.token = g_issue_token;  // as create_operator: issued now
-  }
+  state->op.device = device_index(*state->op.group, "cpu(" + std::to_string(ctx.dev_id) + ")",
+                                  &error);
+  CHECK_GE(state->op.device, 0) << error;
+  state->op.token = issue_token();
   return make_state(state);
 }
 

@@ -175,6 +175,23 @@ int infer_stype_backward(int num, int* stypes, int*, void*) {
 
 int op_delete(void* state) { delete static_cast<Op*>(state); return 1; }
 
+// The index of device `ctx` ("cpu(1)") in the group, or -1 with the error.
+int device_index(const Group& g, const std::string& ctx, std::string* error) {
+  for (size_t i = 0; i < g.devices.size(); ++i)
+    if (g.devices[i] == ctx) return static_cast<int>(i);
+  *error = "SyncBatchNorm '" + g.name + "' was called on " + ctx + ", but its parameters " +
+           "live on " + join(g.devices) + ". Initialize the network on every context you feed.";
+  return -1;
+}
+
+// The token of a call issued now (imperative and dynamic graphs). A call
+// issued after an abort but before the next step begins belongs to the
+// failed step.
+uint64_t issue_token() {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  return g_issue_token;
+}
+
 // One instance per device and call (per graph node in static graphs), created
 // on the main thread when the call is issued.
 int create_operator(const char* ctx, int, unsigned**, const int*, const int*,
@@ -183,23 +200,13 @@ int create_operator(const char* ctx, int, unsigned**, const int*, const int*,
   std::string error;
   auto group = find_group(p.params.group_id, &error);
   if (!group) return fail("SyncBatchNormError", error);
-  int device = -1;
-  for (size_t i = 0; i < group->devices.size(); ++i)
-    if (group->devices[i] == ctx) device = static_cast<int>(i);
-  if (device < 0)
-    return fail("SyncBatchNormError", "SyncBatchNorm '" + group->name + "' was called on " +
-                ctx + ", but its parameters live on " + join(group->devices) +
-                ". Initialize the network on every context you feed.");
+  const int device = device_index(*group, ctx, &error);
+  if (device < 0) return fail("SyncBatchNormError", error);
   Op* op = new Op();
   op->params = p.params;
   op->group = group;
   op->device = device;
-  {
-    std::lock_guard<std::mutex> lock(g_mutex);
-    // Issued now (imperative and dynamic graphs). A call issued after an abort
-    // but before the next step begins belongs to the failed step.
-    op->token = g_issue_token;
-  }
+  op->token = issue_token();
   op->callbacks[0] = reinterpret_cast<Fn>(op_delete);
   op->callbacks[1] = reinterpret_cast<Fn>(p.type->forward);
   op->callbacks[2] = reinterpret_cast<Fn>(p.type->backward);
