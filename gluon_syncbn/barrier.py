@@ -27,7 +27,7 @@ Failure rules (every wait is bounded):
 import threading
 import time
 
-from .errors import SyncBatchNormError, SyncBatchNormTimeout, record_failure
+from .errors import SyncBatchNormError, SyncBatchNormTimeout, in_layer, record_failure
 
 __all__ = ['CallOrderBarrier', 'LocalSession']
 
@@ -38,7 +38,7 @@ class LocalSession(object):
     def token(self):
         return 0
 
-    def check(self, token):
+    def check(self, token, layer):
         pass
 
     def abort(self, cause):
@@ -97,7 +97,7 @@ class CallOrderBarrier(object):
         if token is None:
             # Operators created once (static graphs) cannot tell their step.
             return self.session.token()
-        self.session.check(token)
+        self.session.check(token, self.name)
         return token
 
     def next_forward_key(self, device, token=None):
@@ -163,6 +163,7 @@ class CallOrderBarrier(object):
         if failure is not None:
             self.session.fail_others(failure)
         if error is not None:
+            error = in_layer(self.name, error)
             record_failure(error)
             raise error
         return result

@@ -171,9 +171,10 @@ class SyncBatchNorm(HybridBlock):
           (0 samples, in NumPy shape mode): it takes part with count 0.
 
     Outputs:
-        - **out**: output of the same shape and dtype as `data` (a hybridized
-          graph returns float32 for float16 input unless the network was cast
-          with ``net.cast('float16')``: under AMP, AMP casts it onwards).
+        - **out**: output of the same shape and dtype as `data` (except on GPUs
+          and the fallback operators, where a hybridized graph returns float32
+          for float16 input unless the network was cast with
+          ``net.cast('float16')``: under AMP, AMP casts it onwards).
 
     Notes
     -----
@@ -346,20 +347,13 @@ class SyncBatchNorm(HybridBlock):
                 request_retrace()  # shapes are known after the first call
         if group.operator == 'async':
             # One native operator of MXNet's own kind does it all, without a
-            # custom operator's threads (native/async_op.h). Input other than
-            # float32/float64, and whatever AMP feeds a traced float32 graph,
-            # goes through float64 and back: through float32 Casts, float16
-            # input got garbage input gradients in hybridized graphs (a
-            # BN-relu-BN net, 2026-11-23; float64 Casts, as the host operator
-            # uses, gave exact ones).
-            wide = dtype in LOW_PRECISION or (not imperative and dtype == 'float32')
+            # custom operator's threads (native/async_op.h). It reads and
+            # writes every float dtype as it is, so no Cast surrounds it.
             sync = native.async_operator()[F]
-            out = sync(F.Cast(x, dtype='float64') if wide else x, gamma, beta, running_mean,
-                       running_var, group=group.group_id, eps=self._kwargs['eps'],
-                       momentum=self._kwargs['momentum'], fix_gamma=self._kwargs['fix_gamma'],
-                       static_shape=self._static_shape, axis=axis, input_dtype=dtype,
-                       name='sync')
-            return F.Cast(out, dtype=operator_dtype(dtype)) if wide else out
+            return sync(x, gamma, beta, running_mean, running_var, group=group.group_id,
+                        eps=self._kwargs['eps'], momentum=self._kwargs['momentum'],
+                        fix_gamma=self._kwargs['fix_gamma'], static_shape=self._static_shape,
+                        axis=axis, input_dtype=dtype, name='sync')
         if group.operator == 'host':
             # Where the asynchronous one is unavailable: one custom operator
             # does it all: local moments, the rendezvous,

@@ -20,6 +20,19 @@ class SyncBatchNormTimeout(SyncBatchNormError):
     """Not every device reached the same SyncBatchNorm call within the timeout."""
 
 
+def in_layer(layer, exc):
+    """``exc`` as an error of the layer named ``layer``: every failure a call
+    raises names the layer it surfaced in, also when another layer or user
+    code caused it. ``exc`` itself if its message names the layer already."""
+    head = "SyncBatchNorm '%s'" % layer
+    if str(exc).startswith(head):
+        return exc
+    kind = SyncBatchNormTimeout if isinstance(exc, SyncBatchNormTimeout) else SyncBatchNormError
+    named = kind('%s: %s' % (head, exc))
+    named.__cause__ = exc
+    return named
+
+
 _recent = collections.deque(maxlen=8)
 _recent_lock = threading.Lock()
 _sources = []  # other recorders (the native operator's): () -> [exception]

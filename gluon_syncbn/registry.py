@@ -113,11 +113,12 @@ class Session(object):
         with _lock:
             return bool(_groups)
 
-    def check(self, token):
+    def check(self, token, layer):
+        """Raise if a call of ``layer`` issued with ``token`` belongs to a failed step."""
         if token != self.token():
             exc = SyncBatchNormError(
-                'this SyncBatchNorm call belongs to a step that failed earlier: %s'
-                % self.cause())
+                "SyncBatchNorm '%s': this call belongs to a step that failed earlier: %s"
+                % (layer, self.cause()))
             record_failure(exc)
             raise exc
 

@@ -2,9 +2,17 @@
 // in place (host memory: CPU contexts) or by copies through MXNet (any
 // device: what the device operator does on GPUs, and on CPU contexts under
 // GLUON_SYNCBN_DEVICE_PATH=1, so CI runs that code too).
+//
+// Every element is read and written as the dtype its array has: float16,
+// bfloat16, float32 or float64 (MXNet's own half_t and bf16_t conversions, so
+// a narrowing write rounds as MXNet's Cast does). Callers refuse any other
+// dtype first (dtype_problem); no read assumes one.
 #pragma once
 #include <mxnet/c_api.h>
+#include <mshadow/bfloat.h>
+#include <mshadow/half.h>
 
+#include <cmath>
 #include <cstdint>
 #include <initializer_list>
 #include <utility>
@@ -16,9 +24,38 @@
 namespace {
 
 typedef int (*Fn)(void);
-const int kFloat32 = 0, kFloat64 = 1, kFloat16 = 2, kInt32 = 4, kInt64 = 6;  // mshadow flags
+// mshadow's dtype flags
+const int kFloat32 = 0, kFloat64 = 1, kFloat16 = 2, kInt32 = 4, kInt64 = 6, kBfloat16 = 12;
 const int kNull = 0, kAddTo = 3;                                            // OpReqType
 const int kInData = 0, kOutData = 1, kInGrad = 2, kOutGrad = 3, kAux = 4;   // callback tags
+
+typedef mshadow::half::half_t Half;
+typedef mshadow::bfloat::bf16_t BFloat16;
+
+bool is_float(int dtype) {
+  return dtype == kFloat32 || dtype == kFloat64 || dtype == kFloat16 || dtype == kBfloat16;
+}
+
+std::string dtype_label(int dtype) {
+  switch (dtype) {
+    case kFloat32: return "float32";
+    case kFloat64: return "float64";
+    case kFloat16: return "float16";
+    case kBfloat16: return "bfloat16";
+    case kInt32: return "int32";
+    case kInt64: return "int64";
+  }
+  return "dtype flag " + std::to_string(dtype);
+}
+
+// Why an array of `dtype` (the layer's `what`: "input", "the output's
+// gradient") cannot be used, or "" if it can.
+std::string dtype_problem(const std::string& layer, const std::string& what, int dtype) {
+  if (is_float(dtype)) return "";
+  return "SyncBatchNorm '" + layer + "': " + what + " is " + dtype_label(dtype) +
+         "; the layer takes float16, bfloat16, float32 or float64. Cast it to the "
+         "network's dtype.";
+}
 
 struct Array {
   void* data = nullptr;
@@ -38,18 +75,29 @@ Array view(NDArrayHandle h) {
   return a;
 }
 
+// Element i of a, widened to double (NaN for a dtype dtype_problem refuses).
 double at(const Array& a, int64_t i) {
-  return a.dtype == kFloat64 ? static_cast<const double*>(a.data)[i]
-                             : static_cast<const float*>(a.data)[i];
+  switch (a.dtype) {
+    case kFloat32: return static_cast<const float*>(a.data)[i];
+    case kFloat64: return static_cast<const double*>(a.data)[i];
+    case kFloat16: return static_cast<float>(static_cast<const Half*>(a.data)[i]);
+    case kBfloat16: return static_cast<float>(static_cast<const BFloat16*>(a.data)[i]);
+  }
+  return NAN;
+}
+
+// Store v (or add it, req kAddTo) into element i of a, rounded to a's dtype.
+template <typename T> void store(void* data, int64_t i, double v, int req) {
+  T* p = static_cast<T*>(data) + i;
+  *p = T(req == kAddTo ? static_cast<double>(*p) + v : v);
 }
 
 void put(const Array& a, int64_t i, double v, int req) {
-  if (a.dtype == kFloat64) {
-    double* p = static_cast<double*>(a.data) + i;
-    *p = req == kAddTo ? *p + v : v;
-  } else {
-    float* p = static_cast<float*>(a.data) + i;
-    *p = static_cast<float>(req == kAddTo ? *p + v : v);
+  switch (a.dtype) {
+    case kFloat32: return store<float>(a.data, i, v, req);
+    case kFloat64: return store<double>(a.data, i, v, req);
+    case kFloat16: return store<Half>(a.data, i, v, req);
+    case kBfloat16: return store<BFloat16>(a.data, i, v, req);
   }
 }
 
@@ -101,7 +149,8 @@ template <typename T> bool copy_in(NDArrayHandle h, int64_t size, std::vector<do
     *error = MXGetLastError();
     return false;
   }
-  out->assign(buffer.begin(), buffer.end());
+  out->resize(size);
+  for (int64_t i = 0; i < size; ++i) (*out)[i] = static_cast<double>(buffer[i]);
   return true;
 }
 
@@ -112,10 +161,12 @@ bool read_copy(NDArrayHandle h, std::vector<double>* out, std::string* error) {
   switch (dtype) {
     case kFloat32: return copy_in<float>(h, size, out, error);
     case kFloat64: return copy_in<double>(h, size, out, error);
+    case kFloat16: return copy_in<Half>(h, size, out, error);
+    case kBfloat16: return copy_in<BFloat16>(h, size, out, error);
     case kInt32: return copy_in<int32_t>(h, size, out, error);
     case kInt64: return copy_in<int64_t>(h, size, out, error);
   }
-  *error = "unexpected dtype flag " + std::to_string(dtype);
+  *error = "unexpected " + dtype_label(dtype);
   return false;
 }
 
@@ -129,7 +180,8 @@ bool read_copies(std::initializer_list<std::pair<NDArrayHandle, std::vector<doub
 
 template <typename T> bool copy_out(NDArrayHandle h, const std::vector<double>& values,
                                     std::string* error) {
-  std::vector<T> buffer(values.begin(), values.end());
+  std::vector<T> buffer;
+  for (double v : values) buffer.push_back(T(v));
   if (MXNDArraySyncCopyFromCPU(h, buffer.data(), buffer.size()) != 0) {
     *error = MXGetLastError();
     return false;
@@ -150,10 +202,12 @@ bool write_copy(NDArrayHandle h, std::vector<double> values, int req, std::strin
   switch (dtype) {
     case kFloat32: return copy_out<float>(h, values, error);
     case kFloat64: return copy_out<double>(h, values, error);
+    case kFloat16: return copy_out<Half>(h, values, error);
+    case kBfloat16: return copy_out<BFloat16>(h, values, error);
     case kInt32: return copy_out<int32_t>(h, values, error);
     case kInt64: return copy_out<int64_t>(h, values, error);
   }
-  *error = "unexpected dtype flag " + std::to_string(dtype);
+  *error = "unexpected " + dtype_label(dtype);
   return false;
 }
 

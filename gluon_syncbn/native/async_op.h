@@ -8,11 +8,16 @@
 //
 //   forward:  x, gamma, beta, running mean/var (mutated) -> y
 //             local moments -> FORWARD exchange -> normalize, running stats
-//   backward: dy, x, gamma (and y, to follow the forward) -> dx, d gamma, d beta
+//   backward: dy, x, gamma -> dx, d gamma, d beta
 //             BACKWARD exchange of call #k (its statistics kept in the state)
 //
-// The maths are maths.h's, as the custom host operator's; MKL-DNN inputs are
-// reordered into arrays the call holds until it completes.
+// The maths are maths.h's, as the custom host operator's, in float64 on
+// arrays read and written as the dtypes they have (float16, bfloat16,
+// float32, float64: arrays.h), so no Cast surrounds the operator. MKL-DNN
+// inputs are reordered into arrays the call holds until it completes.
+// MXNet orders a stateful operator's backward after its forward through the
+// state's engine variable (written by both), so backward always finds the
+// statistics its forward left in the state.
 #pragma once
 #include "mxnet_abi.h"
 #include "maths.h"
@@ -124,8 +129,9 @@ void async_forward(const mxnet::OpStatePtr& state_ptr, const mxnet::OpContext& c
   uint64_t token;
   int64_t call;
   auto on_complete = ctx.async_on_complete;
-  if (!number_call(*op.group, op.device, p.static_shape, op.token, &token, &call))
-    return complete(on_complete, stale_message());
+  std::string error;
+  if (!number_call(*op.group, op.device, p.static_shape, op.token, &token, &call, &error))
+    return complete(on_complete, error);
   AsyncState* s = &state;
   // The arrays stay alive (and x's reordered copy with them) until the call
   // completes; the engine holds every other reader and writer back till then.
@@ -164,10 +170,17 @@ void async_backward(const mxnet::OpStatePtr& state_ptr, const mxnet::OpContext& 
   auto on_complete = ctx.async_on_complete;
   const Info stats = state.stats;
   if (stats.call < 0) return complete(on_complete, inference_backward(op.group->name));
+  // A head gradient may have any dtype (autograd.backward does not check).
+  std::string error = dtype_problem(op.group->name, "the gradient of its output", dy.dtype);
+  if (!error.empty()) {
+    abort_step(error);  // the other devices' backward calls would wait for this one
+    return complete(on_complete, error);
+  }
   const Layout l(x.shape, p.axis);
   std::vector<double> sum_dy, sum_dy_xc;
   backward_sums(l, dy, x, stats, &sum_dy, &sum_dy_xc);
-  if (!backward_current(p.static_shape, op.token)) return complete(on_complete, stale_message());
+  if (!backward_current(*op.group, p.static_shape, op.token, &error))
+    return complete(on_complete, error);
   std::vector<mxnet::NDArray> keep = {dy_nd, x_nd, in[2], out[0], out[1], out[2]};
   const int dev_id = state.dev_id;
   const std::thread::id issuer = std::this_thread::get_id();
@@ -215,11 +228,12 @@ bool async_infer_shape(const nnvm::NodeAttrs& attrs, mxnet::ShapeVector* in,
   return mxnet::shape_is_known(data);
 }
 
-bool async_infer_type(const nnvm::NodeAttrs&, std::vector<int>* in, std::vector<int>* out) {
+bool async_infer_type(const nnvm::NodeAttrs& attrs, std::vector<int>* in,
+                      std::vector<int>* out) {
   const int data = (*in)[0];
   if (data < 0) return false;
-  CHECK(data == kFloat32 || data == kFloat64) << "SyncBatchNorm: the operator takes float32 "
-      "or float64 input; this is a bug in gluon_syncbn (the block casts), please report it.";
+  const std::string problem = dtype_problem(layer_name(node_params(attrs)), "its input", data);
+  CHECK(problem.empty()) << problem;
   const int param = (*in)[1] >= 0 ? (*in)[1] : kFloat32;
   for (int i = 1; i < 5; ++i) (*in)[i] = param;
   (*out)[0] = data;
@@ -242,17 +256,13 @@ std::vector<uint32_t> async_mutated(const nnvm::NodeAttrs&) { return {3, 4}; }
 
 mxnet::ExecType async_exec(const nnvm::NodeAttrs&) { return mxnet::ExecType::kAsync; }
 
-// Backward node: dy, x, gamma and y in; d x, d gamma, d beta out; the
-// running statistics get no gradient (as nn.BatchNorm's). y is read for its
-// engine dependency alone: backward uses the statistics the forward leaves
-// in the state, so it must not start before the forward completed (dy need
-// not depend on y: a head gradient does not).
+// Backward node: dy, x, gamma in; d x, d gamma, d beta out; the running
+// statistics get no gradient (as nn.BatchNorm's).
 std::vector<nnvm::NodeEntry> async_gradient(const nnvm::ObjectPtr& node,
                                             const std::vector<nnvm::NodeEntry>& out_grads) {
   const auto& inputs = reinterpret_cast<const NodeLayout*>(node.get())->inputs;
-  nnvm::ObjectPtr grad = make_node(
-      ASYNC_BACKWARD_OP, {out_grads[0], inputs[0], inputs[1], nnvm::NodeEntry(node, 0, 0)},
-      {node});
+  nnvm::ObjectPtr grad = make_node(ASYNC_BACKWARD_OP, {out_grads[0], inputs[0], inputs[1]},
+                                   {node});
   nnvm::ObjectPtr none = make_node("_NoGradient", {}, {});
   return {nnvm::NodeEntry(grad, 0, 0), nnvm::NodeEntry(grad, 1, 0),
           nnvm::NodeEntry(grad, 2, 0), nnvm::NodeEntry(none, 0, 0),
@@ -276,7 +286,7 @@ void register_async_op() {
   set_attr<mxnet::FStatefulComputeEx>(fwd, "FStatefulComputeEx<cpu>", OLD_ABI(async_forward));
   set_attr<nnvm::FGradient>(fwd, "FGradient", OLD_ABI(async_gradient));
   nnvm::Op* bwd = &registry->__REGISTER_OR_GET__(ASYNC_BACKWARD_OP);
-  bwd->set_num_inputs(4).set_num_outputs(3);
+  bwd->set_num_inputs(3).set_num_outputs(3);
   set_attr<bool>(bwd, "TIsBackward", true);
   set_attr<bool>(bwd, "TIsLayerOpBackward", true);
   set_attr<mxnet::FInferStorageType>(bwd, "FInferStorageType", OLD_ABI(async_infer_storage));

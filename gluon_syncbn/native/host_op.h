@@ -90,6 +90,13 @@ int host_backward(int size, void** ptrs, int* tags, const int* req, const int,
         gamma = view(h.by_tag[kInData][1]), info = view(h.by_tag[kOutData][1]);
   Array dx = view(h.by_tag[kInGrad][0]), dgamma = view(h.by_tag[kInGrad][1]),
         dbeta = view(h.by_tag[kInGrad][2]);
+  // A head gradient may have any dtype (autograd.backward does not check).
+  const std::string error = dtype_problem(op.group->name, "the gradient of its output",
+                                          dy.dtype);
+  if (!error.empty()) {
+    abort_step(error);  // the other devices' backward calls would wait for this one
+    return failed_call(), fail("SyncBatchNormError", error);
+  }
   Layout l(x.shape, p.axis);
   std::vector<double> packed(info.size());
   for (int64_t k = 0; k < info.size(); ++k) packed[k] = at(info, k);

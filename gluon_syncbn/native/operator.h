@@ -76,7 +76,8 @@ bool exchange_forward(const Op& op, double count, const std::vector<double>& mea
   int64_t call;
   std::vector<double> total;
   std::string error;
-  if (!number_call(*op.group, op.device, op.params.static_shape, op.token, &token, &call) ||
+  if (!number_call(*op.group, op.device, op.params.static_shape, op.token, &token, &call,
+                   &error) ||
       !exchange(*op.group, Key(0, token, call), op.device, pack_forward(count, mean, var),
                 op.params.dtype_name, &total, &error))
     return false;
@@ -96,7 +97,7 @@ bool exchange_backward(const Op& op, const Info& stats, const std::vector<double
     return false;
   }
   std::string error;
-  return backward_current(op.params.static_shape, op.token) &&
+  return backward_current(*op.group, op.params.static_shape, op.token, &error) &&
          exchange(*op.group, Key(1, static_cast<uint64_t>(stats.token),
                                  static_cast<int64_t>(stats.call)),
                   op.device, pack_backward(sum_dy, sum_dy_xc), op.params.dtype_name, total,

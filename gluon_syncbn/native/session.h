@@ -113,6 +113,13 @@ void run_pending() {
   for (auto& r : ready) std::get<0>(r)(std::get<1>(r), std::get<2>(r));
 }
 
+// `message` as the error of layer `layer`: every failure a call raises names
+// the layer it surfaced in, also when another layer (or user code) caused it.
+std::string in_layer(const std::string& layer, const std::string& message) {
+  const std::string head = "SyncBatchNorm '" + layer + "'";
+  return message.compare(0, head.size(), head) == 0 ? message : head + ": " + message;
+}
+
 // Fail every waiting exchange: the step is over (lock held).
 void abort_locked(const std::string& cause, const std::string& kind = "SyncBatchNormError") {
   ++g_token;
@@ -121,7 +128,7 @@ void abort_locked(const std::string& cause, const std::string& kind = "SyncBatch
     std::vector<std::pair<Key, std::shared_ptr<Exchange>>> failed;
     for (auto& e : g.second->exchanges)
       if (!e.second->done && e.second->error.empty()) {
-        e.second->error = cause;
+        e.second->error = in_layer(g.second->name, cause);
         e.second->kind = kind;
         e.second->cv.notify_all();
         failed.emplace_back(e.first, e.second);
@@ -130,8 +137,20 @@ void abort_locked(const std::string& cause, const std::string& kind = "SyncBatch
   }
 }
 
-std::string stale_message() {
-  return "this SyncBatchNorm call belongs to a step that failed earlier: " + g_cause;
+// Abort the step from outside the barrier (a call that cannot take part,
+// Python's failures): the other devices' calls fail at once.
+void abort_step(const std::string& cause) {
+  {
+    std::lock_guard<std::mutex> lock(g_mutex);
+    abort_locked(cause);
+  }
+  run_pending();
+}
+
+// Why a call of `layer` issued in a step that has since failed cannot run.
+std::string stale_message(const std::string& layer) {
+  return in_layer(layer, "this call belongs to a step that failed earlier: " +
+                         g_cause);
 }
 
 std::string join(const std::vector<std::string>& items, const std::vector<int>& which) {
@@ -234,7 +253,7 @@ bool exchange_blocking(Group& g, const Key& key, int device, std::vector<double>
                       std::chrono::duration<double>(g.timeout));
   std::unique_lock<std::mutex> lock(g_mutex);
   if (std::get<1>(key) != g_token) {
-    *error = stale_message();
+    *error = stale_message(g.name);
     record_locked("SyncBatchNormError", *error);
     return false;
   }
@@ -316,8 +335,8 @@ void exchange_async(Group& g, const Key& key, int device, std::vector<double> va
       std::thread(watchdog).detach();
     }
     if (std::get<1>(key) != g_token) {
-      record_locked("SyncBatchNormError", stale_message());
-      g_pending.emplace_back(std::move(done), stale_message(), std::vector<double>());
+      record_locked("SyncBatchNormError", stale_message(g.name));
+      g_pending.emplace_back(std::move(done), stale_message(g.name), std::vector<double>());
     } else {
       const int n = static_cast<int>(g.devices.size());
       std::shared_ptr<Exchange> ex = slot_locked(g, key);
@@ -370,15 +389,17 @@ std::shared_ptr<Group> find_group(const std::string& id, std::string* error) {
 }
 
 // Numbers a forward call of `device`: sets its step token and call number, or
-// returns false (error recorded) for a call of a step that failed earlier.
-// `issued` is the token the call got when it was issued; static graphs create
-// their operators once, so there the current token is the call's.
+// returns false with `error` set (and recorded) for a call of a step that
+// failed earlier. `issued` is the token the call got when it was issued;
+// static graphs create their operators once, so there the current token is
+// the call's.
 bool number_call(Group& g, int device, bool static_graph, uint64_t issued, uint64_t* token,
-                 int64_t* call) {
+                 int64_t* call, std::string* error) {
   std::lock_guard<std::mutex> lock(g_mutex);
   *token = static_graph ? g_token : issued;
   if (*token != g_token) {
-    record_locked("SyncBatchNormError", stale_message());
+    *error = stale_message(g.name);
+    record_locked("SyncBatchNormError", *error);
     return false;
   }
   if (*token != g.counter_token) {
@@ -389,13 +410,14 @@ bool number_call(Group& g, int device, bool static_graph, uint64_t issued, uint6
   return true;
 }
 
-// False (error recorded) if a backward call issued with `issued` belongs to a
-// step that failed since.
-bool backward_current(bool static_graph, uint64_t issued) {
+// False with `error` set (and recorded) if a backward call of `g` issued
+// with `issued` belongs to a step that failed since.
+bool backward_current(const Group& g, bool static_graph, uint64_t issued, std::string* error) {
   if (static_graph) return true;
   std::lock_guard<std::mutex> lock(g_mutex);
   if (issued == g_token) return true;
-  record_locked("SyncBatchNormError", stale_message());
+  *error = stale_message(g.name);
+  record_locked("SyncBatchNormError", *error);
   return false;
 }
 

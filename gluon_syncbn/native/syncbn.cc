@@ -116,13 +116,7 @@ void gsbn_begin_step() {
   g_issue_token = g_token;
 }
 
-void gsbn_abort(const char* cause) {
-  {
-    std::lock_guard<std::mutex> lock(g_mutex);
-    abort_locked(cause);
-  }
-  run_pending();
-}
+void gsbn_abort(const char* cause) { abort_step(cause); }
 
 // The cause of the last abort, copied into buf (at most size bytes).
 int gsbn_cause(char* buf, int size) {
