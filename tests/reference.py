@@ -27,20 +27,33 @@ def batchnorm_float64(x, dy, gamma, beta, axis=1, eps=1e-5):
 
 
 def max_rel_err(actual, expected):
-    """max |actual - expected| / max(|expected|, tiny), as a float."""
+    """max |actual - expected| / max(|expected|, tiny), as a float.
+
+    A NaN or infinity anywhere, on either side, is an infinite error: a
+    comparison with NaN is always False, so ``err < tol`` with a NaN error
+    would fail only by luck, and ``max(0.0, nan)`` is 0.0.
+    """
     actual = np.asarray(actual, np.float64)
     expected = np.asarray(expected, np.float64)
     if expected.size == 0:  # an empty slice: right if it is empty too
         return 0.0 if actual.size == 0 else float('inf')
-    scale = max(np.abs(expected).max(), 1e-12)
+    if not (np.isfinite(actual).all() and np.isfinite(expected).all()):
+        return float('inf')
+    scale = max(float(np.abs(expected).max()), 1e-12)
     return float(np.abs(actual - expected).max() / scale)
+
+
+def worst(*errors):
+    """The largest of ``errors``, NaN counted as infinite (builtin ``max`` drops
+    a NaN that is not its first argument)."""
+    return max(float('inf') if np.isnan(e) else float(e) for e in errors)
 
 
 class WorstErrors(dict):
     """Worst relative error per quantity over a run: ``errs.note(name, actual, expected)``."""
 
     def note(self, name, actual, expected):
-        self[name] = max(self.get(name, 0.0), max_rel_err(actual, expected))
+        self[name] = worst(self.get(name, 0.0), max_rel_err(actual, expected))
 
 
 def grouped_batchnorm_float64(x_parts, dy_parts, groups, gamma, beta, axis=1, eps=1e-5):
