@@ -34,30 +34,14 @@ def _run(args, timeout, env):
     return proc
 
 
-_NATIVE_CRASH = ('Segmentation fault', 'free(): ', 'double free', 'corrupted ')
-
-
-def run_scenario(name, timeout=120, env=None, crash_retries=0, **kwargs):
-    """Run one scenario in a fresh process; return its result dict.
-
-    ``crash_retries``: rerun a scenario whose process died in native code
-    (segfault, heap corruption) up to that many times. Only the fault tests use
-    it: several custom operators failing at the same moment on different engine
-    threads very rarely (about 1 in 50 runs of the dtype-mismatch case) crash
-    MXNet 1.9.1 natively (we suspect its exception propagation between engine
-    threads). A wrong answer, a missing message or a hang still fails at once.
-    """
+def run_scenario(name, timeout=120, env=None, **kwargs):
+    """Run one scenario in a fresh process; return its result dict."""
     proc = _run([name, json.dumps(kwargs)], timeout, env)
     for line in proc.stdout.splitlines():
         if line.startswith('RESULT '):
             return json.loads(line[len('RESULT '):])
-    output = proc.stdout + proc.stderr
-    if crash_retries > 0 and (proc.returncode < 0 or any(m in output for m in _NATIVE_CRASH)):
-        sys.stderr.write('scenario %s %s crashed in native code (exit %d); retrying:\n%s\n' % (
-            name, kwargs, proc.returncode, output[-1500:]))
-        return run_scenario(name, timeout, env, crash_retries - 1, **kwargs)
     raise ScenarioFailed('scenario %s %s failed (exit %d):\n%s' % (
-        name, kwargs, proc.returncode, output[-4000:]))
+        name, kwargs, proc.returncode, (proc.stdout + proc.stderr)[-4000:]))
 
 
 def run_batch(cases, timeout=300, env=None):
