@@ -39,16 +39,22 @@ struct AsyncState {
   Info stats;            // the forward's global statistics and call number
 };
 
-// Runs `finish` on the worker of CPU context `dev_id`, now if this thread is
-// the one `issuer` names (the device arrived last, or failed at once), else
-// as an engine operation there: each device normalizes its own slice, in
-// parallel with the others.
+// Runs `finish` (the part of a device's call after the exchange) on the
+// worker of CPU context `dev_id`, as an engine operation there, so that each
+// device normalizes its own slice in parallel with the others. It runs here
+// and now instead if this thread is the one `issuer` names (the device
+// arrived last, or failed at once), or if the slice has at most
+// kFinishHereElements elements: pushing an engine operation costs about what
+// normalizing that many elements does.
+const int64_t kFinishHereElements = 1 << 14;
+
 struct Finish { std::function<void()> fn; };
 void run_finish(void*, void* param) { static_cast<Finish*>(param)->fn(); }
 void delete_finish(void* param) { delete static_cast<Finish*>(param); }
 
-void finish_on(int dev_id, std::thread::id issuer, std::function<void()> finish) {
-  if (std::this_thread::get_id() == issuer) return finish();
+void finish_on(int dev_id, std::thread::id issuer, int64_t elements,
+               std::function<void()> finish) {
+  if (std::this_thread::get_id() == issuer || elements <= kFinishHereElements) return finish();
   int ctx[2] = {1, dev_id};  // mxnet::Context{kCPU, dev_id}
   auto* f = new Finish{std::move(finish)};
   if (MXEnginePushSyncND(run_finish, f, delete_finish, ctx, nullptr, 0, nullptr, 0, nullptr, 0,
@@ -152,7 +158,7 @@ void async_forward(const mxnet::OpStatePtr& state_ptr, const mxnet::OpContext& c
   exchange_async(*op.group, Key(0, token, call), op.device, pack_forward(count, mean, var),
                  p.dtype_name, [=](const std::string& error, const std::vector<double>& total) {
     if (!error.empty()) return complete(on_complete, error);
-    finish_on(dev_id, issuer, [=]() { finish(total); });
+    finish_on(dev_id, issuer, x.size(), [=]() { finish(total); });
   });
 }
 
@@ -195,7 +201,7 @@ void async_backward(const mxnet::OpStatePtr& state_ptr, const mxnet::OpContext& 
                  op.device, pack_backward(sum_dy, sum_dy_xc), p.dtype_name,
                  [=](const std::string& error, const std::vector<double>& total) {
     if (!error.empty()) return complete(on_complete, error);
-    finish_on(dev_id, issuer, [=]() { finish(total); });
+    finish_on(dev_id, issuer, x.size(), [=]() { finish(total); });
   });
 }
 
