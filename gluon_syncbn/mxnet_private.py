@@ -21,9 +21,13 @@ Raw memory
     * ``mxnet::Context`` is ``{int32 dev_type, int32 dev_id}`` (the native
       operator passes one to ``MXEnginePushSyncND``).
     * static_shape graphs register a custom operator's auxiliary states as
-      read-only inputs, so running statistics there are written by an engine
-      operation on the Parameter's own arrays (``op.py``; ``native/host_op.h``
-      RunningUpdate; ``native/arrays.h`` copy_async, through ``_copyto``).
+      read-only inputs, so running statistics there are updated by engine
+      operations on the Parameter's own arrays, read-modify-write in engine
+      order (``op.py`` and ``native/arrays.h`` running_update_async, through
+      ``_mul_scalar`` and ``elemwise_add``; ``native/host_op.h`` RunningUpdate);
+      the asynchronous operator's states share one engine variable per layer
+      and device (``native/async_op.h`` layer_variable), which orders a
+      layer's calls there.
     * Copies: ``MXNDArraySyncCopyToCPU``/``FromCPU`` on a callback's arrays
       wait only for their own fresh engine variables (``native/arrays.h``).
 

@@ -5,7 +5,7 @@ operators (per sample and channel, see ``block._ChannelMoments``), gamma/beta
 and the running statistics. It never touches the activations, so MKL-DNN's
 blocked layouts never reach Python. Reading and
 writing its small arrays are direct copies, and the only operators it issues
-(running-statistics copies in static-shape graphs, see ``_update_running``) are
+(running-statistics updates in static-shape graphs, see ``_update_running``) are
 not waited for, so nothing it does can queue behind work that waits for it.
 
 Data flow of one training call on device ``d``::
@@ -121,24 +121,22 @@ class SyncBatchNormOp(mx.operator.CustomOp):
 
     def _update_running(self, aux, mean, var):
         mom = self.momentum
-        new = [(_read(aux[0]) * mom + mean * (1.0 - mom)).astype(aux[0].dtype),
-               (_read(aux[1]) * mom + var * (1.0 - mom)).astype(aux[1].dtype)]
-        if self.static_shape:
-            # There MXNet holds no write access to auxiliary states for us (see
-            # below): write through the engine, which orders us after readers.
-            aux[0][:] = new[0]
-            aux[1][:] = new[1]
-        else:
-            _write(aux[0], 'write', new[0], self.in_place)
-            _write(aux[1], 'write', new[1], self.in_place)
         if self.static_shape:
             # MXNet 1.9.1's static_shape executor registers auxiliary states as
-            # read-only dependencies, so nothing orders later readers (the
-            # Trainer's first broadcast, user code) after the writes above.
-            # An asynchronous copy into this device's parameter array is ordered.
-            for param, value in zip(self.group.running_params(self.device), new):
-                mx.nd.array(value, ctx=param.context, dtype=value.dtype).copyto(
-                    param.as_nd_ndarray())  # a view: NumPy-mode arrays too
+            # read-only dependencies, so this call holds no write access to
+            # them, and a value computed from a read made here would be stale
+            # when the main thread has queued further steps (and overwrite
+            # their updates). The read-modify-write goes to this device's
+            # Parameter arrays as MXNet operators instead, in engine order.
+            for param, batch in zip(self.group.running_params(self.device), (mean, var)):
+                running = param.as_nd_ndarray()  # a view: NumPy-mode arrays too
+                share = mx.nd.array(batch * (1.0 - mom), ctx=running.context,
+                                    dtype=running.dtype)
+                mx.nd.elemwise_add(mx.nd._internal._mul_scalar(running, scalar=mom, out=running),
+                                   share, out=running)
+            return
+        _write(aux[0], 'write', _read(aux[0]) * mom + mean * (1.0 - mom), self.in_place)
+        _write(aux[1], 'write', _read(aux[1]) * mom + var * (1.0 - mom), self.in_place)
 
     def backward(self, req, out_grad, in_data, out_data, in_grad, aux):
         token, call, n, mean, var = wire.unpack_info(_read(out_data[2]))

@@ -902,6 +902,83 @@ def same_prefix_networks(seed=0):
         list(nets[0].collect_params()) == list(nets[1].collect_params()))}
 
 
+class _RunAheadNet(gluon.HybridBlock):
+    """SyncBatchNorm first, on the input (so its batch statistics are known in
+    float64), called ``calls`` times per forward pass (each further call on
+    ``0.5 * previous + 1``, the sum of all outputs going on), then a
+    convolution the Trainer updates."""
+
+    def __init__(self, channels, calls, **kwargs):
+        super(_RunAheadNet, self).__init__(**kwargs)
+        self._calls = calls
+        with self.name_scope():
+            self.bn = SyncBatchNorm(in_channels=channels)
+            self.conv = gluon.nn.Conv2D(4, 3, padding=1, in_channels=channels)
+
+    def hybrid_forward(self, F, x):
+        out = a = self.bn(x)
+        for _ in range(self._calls - 1):
+            a = self.bn(a * 0.5 + 1)
+            out = out + a
+        return self.conv(out)
+
+
+@scenario
+def run_ahead(hybridize=False, calls=2, sizes=(3, 5), steps=20, micro_steps=2, seed=0):
+    """Training that never waits between steps, as GPU loops do: ``steps``
+    Trainer steps, each accumulating gradients (grad_req='add') over
+    ``micro_steps`` forward/backward passes, with no asnumpy or waitall until
+    the end; the layer is called ``calls`` times per forward pass. Returns
+    the worst relative error of every device's running mean and variance
+    against float64 momentum updates over the global batch, in call order."""
+    rng = np.random.RandomState(seed)
+    ctxs = contexts(len(sizes))
+    channels, momentum = 3, 0.9
+    net = _RunAheadNet(channels, calls)
+    net.initialize(ctx=ctxs)
+    for param in net.collect_params().values():
+        if param.grad_req != 'null':
+            param.grad_req = 'add'
+    if hybridize:
+        net.hybridize(static_alloc=hybridize == 'static', static_shape=hybridize == 'static')
+    trainer = gluon.Trainer(net.conv.collect_params(), 'sgd', {'learning_rate': 0.01})
+    run_mean, run_var = np.zeros(channels), np.ones(channels)
+    ones, zeros = np.ones(channels), np.zeros(channels)
+
+    def update(batch):
+        nonlocal run_mean, run_var
+        _, _, _, _, mean, var = batchnorm_float64(batch, np.zeros_like(batch), ones, zeros)
+        run_mean = run_mean * momentum + mean * (1 - momentum)
+        run_var = run_var * momentum + var * (1 - momentum)
+
+    for _ in range(steps):
+        for _ in range(micro_steps):
+            x = (rng.randn(sum(sizes), channels, 4, 4) * rng.uniform(0.5, 3)
+                 + rng.uniform(-2, 2)).astype(np.float32)
+            xs = [mx.nd.array(p, ctx=c) for p, c in zip(split_batch(x, sizes), ctxs)]
+            with autograd.record():
+                losses = [(net(a) ** 2).mean() for a in xs]
+            autograd.backward(losses)
+            batch = x
+            for _ in range(calls):
+                update(batch)
+                batch = batchnorm_float64(batch, np.zeros_like(batch), ones, zeros)[0] * 0.5 + 1
+        trainer.step(sum(sizes) * micro_steps)
+        for param in net.collect_params().values():
+            if param.grad_req != 'null':
+                param.zero_grad()
+    # The one sync point. (In static graphs a custom operator queues its
+    # update from its callback, so reading before the engine has run the
+    # last step's callbacks would see that step's values unwritten.)
+    mx.nd.waitall()
+    errs = WorstErrors()
+    for c in ctxs:
+        errs.note('running_mean', net.bn.running_mean.data(c).asnumpy(), run_mean)
+        errs.note('running_var', net.bn.running_var.data(c).asnumpy(), run_var)
+    errs['operator'] = net.bn._group.operator
+    return errs
+
+
 def run(name, kwargs):
     start = time.time()
     result = SCENARIOS[name](**kwargs)

@@ -13,6 +13,7 @@
 #include <mshadow/half.h>
 
 #include <cmath>
+#include <cstdio>
 #include <cstdint>
 #include <initializer_list>
 #include <utility>
@@ -211,26 +212,43 @@ bool write_copy(NDArrayHandle h, std::vector<double> values, int req, std::strin
   return false;
 }
 
-// Queue a copy of `values` into `dst` (any device) behind every operation
-// already issued on it, without waiting: the `_copyto` operator, as
-// NDArray.copyto does. Used where the engine does not hold our write access.
-bool copy_async(NDArrayHandle dst, const std::vector<double>& values, std::string* error) {
-  int dtype = kFloat32;
-  MXNDArrayGetDType(dst, &dtype);
-  uint32_t shape[1] = {static_cast<uint32_t>(values.size())};
-  NDArrayHandle src = nullptr;
-  void* copyto = nullptr;
-  bool ok = NNGetOpHandle("_copyto", &copyto) == 0 &&
-            MXNDArrayCreateEx(shape, 1, 1, 0, 0, dtype, &src) == 0 &&
-            write_copy(src, values, 1, error);
-  if (ok) {
-    int num_out = 1;
-    NDArrayHandle outs[1] = {dst};
-    NDArrayHandle* out_ptr = outs;
-    ok = MXImperativeInvoke(copyto, 1, &src, &num_out, &out_ptr, 0, nullptr, nullptr) == 0;
-  }
+// Invoke MXNet operator `name` on `inputs` into `out`, queued on the engine
+// (not waited for). `keys`/`values`: its string arguments.
+bool invoke(const char* name, std::vector<NDArrayHandle> inputs, NDArrayHandle out,
+            std::vector<const char*> keys, std::vector<const char*> values) {
+  void* op = nullptr;
+  if (NNGetOpHandle(name, &op) != 0) return false;
+  int num_out = 1;
+  NDArrayHandle outs[1] = {out};
+  NDArrayHandle* out_ptr = outs;
+  return MXImperativeInvoke(op, static_cast<int>(inputs.size()), inputs.data(), &num_out,
+                            &out_ptr, static_cast<int>(keys.size()), keys.data(),
+                            values.data()) == 0;
+}
+
+// Queue `running = running * momentum + batch * (1 - momentum)` on `running`
+// (any device) with MXNet's own operators, without waiting: the
+// read-modify-write runs in engine order, after every operation already
+// issued on `running` and before every later one, however far the caller's
+// thread runs ahead. (Computing the new value from a read made now and
+// queueing a copy of it would lose an update queued in between.)
+bool running_update_async(NDArrayHandle running, const std::vector<double>& batch,
+                          double momentum, std::string* error) {
+  int dtype = kFloat32, dev_type = 1, dev_id = 0;
+  MXNDArrayGetDType(running, &dtype);
+  MXNDArrayGetContext(running, &dev_type, &dev_id);
+  uint32_t shape[1] = {static_cast<uint32_t>(batch.size())};
+  std::vector<double> share(batch.size());
+  for (size_t i = 0; i < batch.size(); ++i) share[i] = batch[i] * (1.0 - momentum);
+  char scalar[32];
+  std::snprintf(scalar, sizeof(scalar), "%.17g", momentum);
+  NDArrayHandle tmp = nullptr;
+  bool ok = MXNDArrayCreateEx(shape, 1, dev_type, dev_id, 0, dtype, &tmp) == 0 &&
+            write_copy(tmp, share, 1, error) &&
+            invoke("_mul_scalar", {running}, running, {"scalar"}, {scalar}) &&
+            invoke("elemwise_add", {running, tmp}, running, {}, {});
   if (!ok && error->empty()) *error = MXGetLastError();
-  if (src) MXNDArrayFree(src);  // the queued copy holds its own reference
+  if (tmp) MXNDArrayFree(tmp);  // the queued addition holds its own reference
   return ok;
 }
 

@@ -98,6 +98,23 @@ Params node_params(const nnvm::NodeAttrs& attrs) {
   return parse_params(static_cast<int>(keys.size()), keys.data(), values.data());
 }
 
+// The engine variable of a layer's calls on one device, shared by all their
+// states. A static graph makes one state per node and orders a node's
+// operations only through its own state's variable (the running statistics
+// are read-only inputs there), so without it a layer called twice per
+// forward pass could run step k+1's first call before step k's second,
+// numbering and updating them out of order; with it every call of the layer
+// on the device runs in the order it was issued, the same on every device.
+// One small variable per layer and device, kept for the process's life.
+mxnet::Engine::VarHandle layer_variable(const std::string& group_id, int device) {
+  static std::mutex& mutex = *new std::mutex();
+  static auto& variables = *new std::map<std::pair<std::string, int>, mxnet::Engine::VarHandle>();
+  std::lock_guard<std::mutex> lock(mutex);
+  auto& var = variables[std::make_pair(group_id, device)];
+  if (var == nullptr) var = new_engine_variable();
+  return var;
+}
+
 mxnet::OpStatePtr async_create_state(const nnvm::NodeAttrs& attrs, mxnet::Context ctx,
                                      const mxnet::ShapeVector&, const std::vector<int>&) {
   auto* state = new AsyncState();
@@ -110,7 +127,7 @@ mxnet::OpStatePtr async_create_state(const nnvm::NodeAttrs& attrs, mxnet::Contex
                                   &error);
   CHECK_GE(state->op.device, 0) << error;
   state->op.token = issue_token();
-  return make_state(state);
+  return make_state(state, layer_variable(state->op.params.group_id, state->op.device));
 }
 
 void async_forward(const mxnet::OpStatePtr& state_ptr, const mxnet::OpContext& ctx,

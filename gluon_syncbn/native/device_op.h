@@ -47,6 +47,15 @@ double sample_count(const std::vector<double>& shape, size_t C) {
   return size / static_cast<double>(C);
 }
 
+// running * momentum + batch * (1 - momentum), rounded as running_update_async's
+// MXNet operators round it in an array of `dtype`, so a call that writes
+// directly and one that queues the update leave bit-identical replicas.
+double momentum_step(double running, double batch, double momentum, int dtype) {
+  if (dtype != kFloat32) return running * momentum + batch * (1.0 - momentum);
+  const float scaled = static_cast<float>(running) * static_cast<float>(momentum);
+  return static_cast<float>(scaled + static_cast<float>(batch * (1.0 - momentum)));
+}
+
 int copy_failed(const Group& g, const std::string& error) {
   return failed_call(), fail("SyncBatchNormError", "SyncBatchNorm '" + g.name +
                              "': copying the statistics failed: " + error);
@@ -61,9 +70,13 @@ int device_forward(int size, void** ptrs, int* tags, const int* req, const int i
   const auto& in = h.by_tag[kInData];
   std::vector<double> m1, m2_rows, v_rows, shape, gamma, beta, rmean, rvar;
   std::string error;
+  // Static graphs update the running statistics in engine order (below) and
+  // never need their values in training.
+  const bool ordered = p.static_shape && g.running.size() == g.devices.size();
   if (!read_copies({{in[kMean], &m1}, {in[kResidual], &m2_rows}, {in[kSqdev], &v_rows},
-                    {in[kShape], &shape}, {in[kGamma], &gamma}, {in[kBeta], &beta},
-                    {h.by_tag[kAux][0], &rmean}, {h.by_tag[kAux][1], &rvar}}, &error))
+                    {in[kShape], &shape}, {in[kGamma], &gamma}, {in[kBeta], &beta}}, &error) ||
+      ((!is_train || !ordered) &&
+       !read_copies({{h.by_tag[kAux][0], &rmean}, {h.by_tag[kAux][1], &rvar}}, &error)))
     return copy_failed(g, error);
   const size_t C = m1.size();
   const double count = sample_count(shape, C);
@@ -79,17 +92,19 @@ int device_forward(int size, void** ptrs, int* tags, const int* req, const int i
       var[c] = std::max(v[c] - m2[c] * m2[c], 0.0);
     }
     if (!exchange_forward(op, count, mean, var, &stats)) return failed_call();
-    for (size_t c = 0; c < C; ++c) {
-      rmean[c] = rmean[c] * p.momentum + stats.mean[c] * (1.0 - p.momentum);
-      rvar[c] = rvar[c] * p.momentum + stats.var[c] * (1.0 - p.momentum);
-    }
     bool ok;
-    if (p.static_shape && g.running.size() == g.devices.size()) {
-      // Read-only auxiliary states (see host_op.h): queue copies into the
-      // Parameter's own arrays, ordered after their readers.
-      ok = copy_async(g.running[op.device][0], rmean, &error) &&
-           copy_async(g.running[op.device][1], rvar, &error);
-    } else {
+    if (ordered) {
+      // Read-only auxiliary states (see host_op.h): the update goes to the
+      // Parameter's own arrays, read, scaled and added to in engine order.
+      ok = running_update_async(g.running[op.device][0], stats.mean, p.momentum, &error) &&
+           running_update_async(g.running[op.device][1], stats.var, p.momentum, &error);
+    } else {  // this call holds write access to its auxiliary states
+      int dtype = kFloat32;
+      MXNDArrayGetDType(h.by_tag[kAux][0], &dtype);
+      for (size_t c = 0; c < C; ++c) {
+        rmean[c] = momentum_step(rmean[c], stats.mean[c], p.momentum, dtype);
+        rvar[c] = momentum_step(rvar[c], stats.var[c], p.momentum, dtype);
+      }
       ok = write_copy(h.by_tag[kAux][0], rmean, 1, &error) &&
            write_copy(h.by_tag[kAux][1], rvar, 1, &error);
     }

@@ -97,19 +97,27 @@ nnvm::ObjectPtr make_node(const char* op_name, const std::vector<nnvm::NodeEntry
 
 void ignore_run_context(mxnet::RunContext) {}
 
-// OpStatePtr::Create<T>, with a deleter libmxnet can call.
-template <typename T> mxnet::OpStatePtr make_state(T* object) {
+// OpStatePtr::Create<T>, with a deleter libmxnet can call. MXNet orders
+// every operation on a state after the earlier ones through the state's
+// engine variable: `var` (kept, not deleted with the state) or a new one.
+template <typename T> mxnet::OpStatePtr make_state(T* object,
+                                                   mxnet::Engine::VarHandle var = nullptr) {
   mxnet::OpStatePtr state;
-  auto var = mxnet::Engine::Get()->NewVariable();
+  const bool own = var == nullptr;
+  if (own) var = mxnet::Engine::Get()->NewVariable();
   state.ptr_.reset(new mxnet::OpStatePtr::OpState(var, object),
-                   [](mxnet::OpStatePtr::OpState* p) {
-                     mxnet::Engine::Get()->DeleteVariable(OLD_ABI(ignore_run_context),
-                                                          mxnet::Context::CPU(), p->var);
+                   [own](mxnet::OpStatePtr::OpState* p) {
+                     if (own)
+                       mxnet::Engine::Get()->DeleteVariable(OLD_ABI(ignore_run_context),
+                                                            mxnet::Context::CPU(), p->var);
                      delete reinterpret_cast<T*>(p->state);
                      delete p;
                    });
   return state;
 }
+
+// A new engine variable that lives as long as the process.
+mxnet::Engine::VarHandle new_engine_variable() { return mxnet::Engine::Get()->NewVariable(); }
 
 // The node's string arguments (NodeAttrs::dict, iterated only).
 std::vector<std::pair<std::string, std::string>> node_arguments(const nnvm::NodeAttrs& attrs) {
