@@ -7,6 +7,7 @@ are unique per layer object (not per prefix), so two networks with equal
 prefixes never share a barrier. A group whose calls run in the native
 operator is registered there too (same id), and its barrier lives there.
 """
+import collections
 import ctypes
 import itertools
 import os
@@ -27,6 +28,11 @@ __all__ = ['SyncGroup', 'get_group', 'new_group_id', 'register', 'unregister', '
 
 _groups = {}
 _lock = threading.Lock()
+# Ids of groups whose layer was garbage-collected. A layer's finalizer runs at
+# whatever allocation triggers the collection, also on a thread inside a
+# `with _lock:` block, so it only queues the id (waiting for the lock there
+# would wait forever); the queue is emptied under the lock.
+_collected = collections.deque()
 _ids = itertools.count()
 
 
@@ -369,6 +375,7 @@ class SyncGroup(object):
 
 def register(group):
     with _lock:
+        _remove_collected_locked()
         _groups[group.group_id] = group
 
 
@@ -383,10 +390,21 @@ def get_group(group_id):
 
 
 def unregister(group_id):
-    with _lock:
-        group = _groups.pop(group_id, None)
-    if group is not None and group.operator != 'python':
-        SESSION._native.gsbn_group_remove(group_id.encode())
+    """Forget the group of a layer that was garbage-collected (its finalizer):
+    now if the lock is free, else at the next registration. Never waits."""
+    _collected.append(group_id)
+    if _lock.acquire(False):
+        try:
+            _remove_collected_locked()
+        finally:
+            _lock.release()
+
+
+def _remove_collected_locked():
+    while _collected:
+        group = _groups.pop(_collected.popleft(), None)
+        if group is not None and group.operator != 'python':
+            SESSION._native.gsbn_group_remove(group.group_id.encode())
 
 
 def _load_native():
