@@ -38,9 +38,8 @@ def library_path(library=None, search=None, current=None):
     library = library or mxnet_library()
     current = os.environ.get('LD_LIBRARY_PATH', '') if current is None else current
     needed = needed_libraries(library) if library else []
-    folders = [os.path.dirname(wheel_library(name, search)) for name in RUNTIME
-               if name in needed and wheel_library(name, search)]
-    folders += current.split(os.pathsep)
+    found = [wheel_library(name, search) for name in RUNTIME if name in needed]
+    folders = [os.path.dirname(path) for path in found if path] + current.split(os.pathsep)
     return os.pathsep.join(f for i, f in enumerate(folders) if f and f not in folders[:i])
 
 
