@@ -46,6 +46,7 @@ RUNTIME = {
 # The driver's library: no wheel has it, the NVIDIA driver installs it.
 DRIVER = 'libcuda.so.1'
 INSTALL_GPU = 'pip install -e ".[gpu]" in a clone of gluon_syncbn'
+_handles = []  # the loaded libraries, kept for the life of the process
 
 
 class CudaLibraryError(ImportError):
@@ -164,9 +165,10 @@ def wheel_library(soname, search=None):
 
 
 def _load(soname, path, library):
-    """``ctypes.CDLL`` with ``RTLD_GLOBAL``; a failure names the library and the fix."""
+    """Load ``path`` (or ``soname`` from the library path) with ``RTLD_GLOBAL``;
+    a failure raises CudaLibraryError naming the library and the fix."""
     try:
-        return ctypes.CDLL(path or soname, mode=ctypes.RTLD_GLOBAL)
+        handle = ctypes.CDLL(path or soname, mode=ctypes.RTLD_GLOBAL)
     except OSError as exc:
         if soname == DRIVER:
             fix = ('Install the NVIDIA driver (version 520 or later for the CUDA 11.8 runtime '
@@ -186,6 +188,7 @@ def _load(soname, path, library):
         raise CudaLibraryError(
             'gluon_syncbn: the installed mxnet is the GPU build (%s) and needs %s, but %s: '
             '%s. %s.' % (library, what, where, exc, fix)) from None
+    _handles.append(handle)
 
 
 def preload(library=None, search=None):
