@@ -5,6 +5,20 @@ from setuptools import find_packages, setup
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 EXAMPLES = ['tqdm', 'matplotlib', 'pillow']
+# The CUDA 11 runtime libraries mxnet-cu112's libmxnet.so links against, one
+# wheel each (each provides the soname it asks for); pinned to the versions
+# CI imports the GPU wheel with.
+CUDA_RUNTIME = [
+    'nvidia-cuda-runtime-cu11==11.8.89',
+    'nvidia-cublas-cu11==11.11.3.6',
+    'nvidia-cufft-cu11==10.9.0.58',
+    'nvidia-curand-cu11==10.3.0.86',
+    'nvidia-cusolver-cu11==11.4.1.48',
+    'nvidia-nvtx-cu11==11.8.86',
+    'nvidia-nccl-cu11==2.21.5',
+    'nvidia-cuda-nvrtc-cu11==11.8.89',
+    'nvidia-cudnn-cu11==8.9.6.50',
+]
 
 setup(
     name='gluon_syncbn',
@@ -19,10 +33,11 @@ setup(
     # MXNet 1.9.1 uses np.bool, removed in NumPy 1.24.
     install_requires=['numpy<1.24'],
     extras_require={
-        # Pick one MXNet build. The GPU wheel needs CUDA 11.2, cuDNN 8 and NCCL 2
-        # libraries and an NVIDIA driver on the machine; it cannot import without them.
+        # Pick one MXNet build. The GPU wheel's libmxnet.so needs the CUDA 11
+        # runtime libraries below (gluon_syncbn.cuda_libs preloads them) and the
+        # NVIDIA driver's libcuda.so.1, which no wheel provides.
         'cpu': ['mxnet==1.9.1'],
-        'gpu': ['mxnet-cu112==1.9.1'],
+        'gpu': ['mxnet-cu112==1.9.1'] + CUDA_RUNTIME,
         # examples/segmentation: progress bar, figures, VOC images
         'examples': EXAMPLES,
         # the suite runs the example and the benchmarks' measurement helpers

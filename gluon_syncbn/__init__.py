@@ -4,7 +4,13 @@
 that normalizes with the statistics of the whole mini-batch across all
 devices, exactly as one BatchNorm on the concatenated batch would.
 """
-from .engine import configure_cpu_contexts, configure_from_environment
+from .cuda_libs import preload as _preload_cuda_libraries
+
+# Before anything imports mxnet: its GPU build then finds the CUDA runtime
+# wheels' libraries (nothing happens with the CPU build).
+_preload_cuda_libraries()
+
+from .engine import configure_cpu_contexts, configure_from_environment  # noqa: E402
 
 # Only if GLUON_SYNCBN_CPU_CONTEXTS asks for it: importing changes nothing else.
 configure_from_environment()

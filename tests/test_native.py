@@ -50,6 +50,7 @@ def test_built_at_first_import_into_the_cache(tmp_path):
     out = python(TWO_DEVICE_STEP, GLUON_SYNCBN_CACHE=str(tmp_path))
     assert reported(out, 'OPERATOR') == 'async'
     assert float(reported(out, 'ERROR')) < 1e-5
+    import gluon_syncbn  # noqa: F401 (before mxnet: the GPU build's CUDA libraries)
     import mxnet
     built = sorted(os.listdir(tmp_path / ('mxnet-%s' % mxnet.__version__)))
     # The library, and the verdict of its asynchronous operator's self-test.

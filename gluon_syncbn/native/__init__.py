@@ -1,4 +1,4 @@
-"""The native operators (``syncbn.cc``): built once per MXNet version, loaded with ctypes.
+"""The native operators (``syncbn.cc``): built once per libmxnet.so, loaded with ctypes.
 
 Three operators:
 
@@ -31,9 +31,10 @@ transports are Python.
 
 The library is compiled with ``$CXX`` (default ``g++``) against the headers
 and ``libmxnet.so`` that ship in the mxnet wheel, into
-``$GLUON_SYNCBN_CACHE`` (default ``~/.cache/gluon_syncbn``), one file per MXNet
-version and source, so an upgrade or an edit rebuilds it and concurrent
-processes never load a half-written file.
+``$GLUON_SYNCBN_CACHE`` (default ``~/.cache/gluon_syncbn``), one file per
+``libmxnet.so`` (its path, size and time: CPU and GPU environments sharing a
+cache never share a build or a self-test verdict) and source, so an upgrade or
+an edit rebuilds it and concurrent processes never load a half-written file.
 """
 import ctypes
 import hashlib
@@ -89,10 +90,40 @@ def _mxnet_dir():
     return os.path.dirname(os.path.abspath(mxnet.__file__)), mxnet.__version__
 
 
+def mxnet_identity(mx_dir):
+    """What tells the ``libmxnet.so`` the library links against from any other.
+
+    The CPU and GPU wheels are both version 1.9.1, and a CPU and a GPU venv
+    often share one cache: a library built, and self-tested, against one
+    wheel's libmxnet.so must never be loaded with the other's. Its real path,
+    size and modification time tell them apart at the cost of one ``stat``
+    (hashing the file would read 0.9 GB for the GPU wheel at every import:
+    0.8 s measured with it in the page cache, 6.5 s without); reinstalling
+    the wheel changes the time, so it rebuilds.
+
+    Parameters
+    ----------
+    mx_dir : str
+        The mxnet package's folder, where the build links ``libmxnet.so``.
+
+    Returns
+    -------
+    str
+        The path, size and time, or the path alone if there is no file.
+    """
+    library = os.path.realpath(os.path.join(mx_dir, 'libmxnet.so'))
+    try:
+        info = os.stat(library)
+    except OSError:
+        return library  # no library there: the build says so
+    return '%s\0%d\0%d' % (library, info.st_size, info.st_mtime_ns)
+
+
 def library_path():
-    """Where the library for this MXNet version and this source lives."""
+    """Where the library for this libmxnet.so and this source lives."""
     mx_dir, version = _mxnet_dir()
     digest = hashlib.sha256(' '.join(FLAGS).encode())
+    digest.update(b'\0' + mxnet_identity(mx_dir).encode() + b'\0')
     for name in sorted(os.listdir(SOURCE_DIR)):
         if name.endswith(('.cc', '.h')):
             with open(os.path.join(SOURCE_DIR, name), 'rb') as f:
