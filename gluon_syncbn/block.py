@@ -93,10 +93,10 @@ class _ChannelMoments(object):
             self._ones = F.BlockGrad(F.ones_like(F.squeeze(row, axis=(1, 2))))  # (1, L)
             self._mean_row = F.broadcast_div(self._ones, F.sum(self._ones))  # (1, L) of 1/L
 
-    def __call__(self, x):
+    def __call__(self, x, keepdims=True):
         F = self._F
         if not self._fast:
-            return F.mean(x, axis=self._axis, exclude=True, keepdims=True)
+            return F.mean(x, axis=self._axis, exclude=True, keepdims=keepdims)
         return F.FullyConnected(x, self._ones, num_hidden=1, no_bias=True, flatten=False)
 
     def centre(self, x):
@@ -411,8 +411,11 @@ class SyncBatchNorm(HybridBlock):
             xc = _channel_affine(F, xs, F.ones_like(m1), -m1, channels, name=CENTER_OP)
         else:
             xc = F.broadcast_sub(xs, m1)
-        m2 = moments(xc)
-        sqdev = moments(F.square(xc))
+        # The exchange operator takes them flat (C,): fewer reshapes, each of
+        # which holds a temp-space slot on CPU contexts (see _ChannelMoments).
+        flat = not channels and self._exchange(group) is not None
+        m2 = moments(xc, keepdims=not flat)
+        sqdev = moments(F.square(xc), keepdims=not flat)
         scale, shift = self._synchronize(F, group, m1, m2, sqdev, F.BlockGrad(F.shape_array(x)),
                                          gamma, beta, running_mean, running_var,
                                          self._static_shape, channels > 0, dtype)
@@ -426,11 +429,44 @@ class SyncBatchNorm(HybridBlock):
             out = F.reshape_like(out, x)
         return F.Cast(out, dtype=operator_dtype(dtype)) if half else out
 
+    @staticmethod
+    def _exchange(group):
+        """The exchange operator's functions if this group's calls use it (the
+        GPU path, where the self-test passed), else None."""
+        return native.device_operator() if group.operator == 'device' else None
+
     def _synchronize(self, F, group, m1, m2, sqdev, shape, gamma, beta, running_mean,
-                     running_var, static_shape, row_sums, dtype):
-        """The synchronization step on per-channel vectors: the native device
-        operator (native/device_op.h) or, across processes, op.py's. Returns
-        the (scale, shift) that normalize ``x - m1``."""
+                     running_var, static_shape, row_sums, dtype, m1_axes=None):
+        """The synchronization step on per-channel vectors: the native exchange
+        operator (native/exchange_op.h), the native device operator
+        (native/device_op.h) where it is unavailable, or, across processes,
+        op.py's. Returns the (scale, shift) that normalize ``x - m1``."""
+        exchange = self._exchange(group)
+        if exchange is not None and not row_sums:
+            # One packed vector in, one out: [m1 | m2 | v | shape | gamma | beta]
+            # (m2 and v come flat) to [scale | shift]. The operator also takes
+            # m1, gamma and beta for their shapes only (deferred initialization
+            # infers gamma's from m1's); the Concat's backward hands their
+            # gradients on.
+            stat = 'float64' if dtype == 'float64' else 'float32'
+            param = dtype_name(self.gamma.dtype)
+            g, b = (gamma, beta) if param == stat else (F.Cast(gamma, dtype=stat),
+                                                        F.Cast(beta, dtype=stat))
+            # axis 1: m1 is (1, C, 1) and squeeze, unlike reshape, holds no
+            # temp-space slot on CPU (see _channel_affine).
+            if m1_axes is None and self._kwargs['axis'] == 1:
+                m1_axes = (0, 2)  # the (N, C, L) view's
+            flat_m1 = (F.squeeze(m1, axis=m1_axes) if m1_axes is not None
+                       else F.reshape(m1, shape=(-1,)))
+            packed = F.concat(flat_m1, m2, sqdev,
+                              F.Cast(shape, dtype=stat), g, b, dim=0)
+            out = exchange[F](packed, m1, gamma, beta, running_mean, running_var,
+                              group=group.group_id, eps=self._kwargs['eps'],
+                              momentum=self._kwargs['momentum'],
+                              fix_gamma=self._kwargs['fix_gamma'], static_shape=static_shape,
+                              input_dtype=dtype, name='sync')
+            scale, shift = F.split(out, num_outputs=2, axis=0)
+            return F.reshape_like(scale, m1), F.reshape_like(shift, m1)
         scale, shift, _ = F.Custom(
             m1, m2, sqdev, shape, gamma, beta, running_mean, running_var,
             op_type=native.DEVICE_OP_TYPE if group.operator == 'device' else _op.OP_TYPE,
@@ -448,8 +484,10 @@ class SyncBatchNorm(HybridBlock):
         stat_shape = tuple(x.shape[axis] if i == axis else 1 for i in range(x.ndim))
         zeros = F.zeros(stat_shape, ctx=x.context,
                         dtype='float32' if dtype in LOW_PRECISION else dtype)
-        scale, _ = self._synchronize(F, group, zeros, zeros, zeros, F.shape_array(x), gamma,
-                                     beta, running_mean, running_var, False, False, dtype)
+        flat = zeros.reshape(-1) if self._exchange(group) is not None else zeros
+        scale, _ = self._synchronize(F, group, zeros, flat, flat, F.shape_array(x), gamma,
+                                     beta, running_mean, running_var, False, False, dtype,
+                                     m1_axes=tuple(i for i in range(x.ndim) if i != axis))
         # Not broadcast_add: its backward over a size-0 array segfaults in 1.9.1.
         return F.broadcast_mul(x, F.Cast(scale, dtype=operator_dtype(dtype)))
 

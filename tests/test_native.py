@@ -78,6 +78,26 @@ def test_a_failed_self_test_keeps_to_the_custom_operator(tmp_path):
     assert 'RuntimeWarning' not in quiet.stderr, quiet.stderr[-2000:]
 
 
+def test_device_path_takes_the_exchange_operator_and_its_fallback(tmp_path):
+    # The GPU path (on CPU contexts): the exchange operator where the self-test
+    # passed, the custom device operator where it failed; both exact.
+    code = TWO_DEVICE_STEP + (
+        "from gluon_syncbn import native\n"
+        "print('EXCHANGE', native.device_operator() is not None)\n")
+    first = python(code, GLUON_SYNCBN_CACHE=str(tmp_path), GLUON_SYNCBN_DEVICE_PATH='1')
+    assert reported(first, 'OPERATOR') == 'device'
+    assert reported(first, 'EXCHANGE') == 'True'
+    assert float(reported(first, 'ERROR')) < 1e-5
+    folder = tmp_path / os.listdir(tmp_path)[0]
+    marker = [folder / name for name in os.listdir(folder) if name.endswith('.selftest')][0]
+    marker.write_text('exit -11: simulated')
+    out = python(code, GLUON_SYNCBN_CACHE=str(tmp_path), GLUON_SYNCBN_DEVICE_PATH='1')
+    assert reported(out, 'OPERATOR') == 'device'
+    assert reported(out, 'EXCHANGE') == 'False'
+    assert float(reported(out, 'ERROR')) < 1e-5
+    assert 'failed its self-test' in out.stderr
+
+
 def test_without_a_compiler_falls_back_with_one_warning(tmp_path):
     out = python(TWO_DEVICE_STEP, GLUON_SYNCBN_CACHE=str(tmp_path), CXX='/nonexistent/c++')
     assert reported(out, 'OPERATOR') == 'python'

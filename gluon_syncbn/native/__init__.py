@@ -8,13 +8,18 @@ Three operators:
   with no thread waiting and no custom-operator hand-off (6-8x cheaper per call);
 * the host operator (``host_op.h``), CPU contexts: the same call as a custom
   operator (MXNet's C API), where the asynchronous one is unavailable;
-* the device operator (``device_op.h``), GPUs: the synchronization step on
-  per-channel vectors, a custom operator.
+* the exchange operator (``exchange_op.h``), GPUs: the synchronization step on
+  the packed per-channel vector, an asynchronous operator of MXNet's own kind
+  (cpu and gpu) that only issues MXNet's engine copies, no thread waiting;
+* the device operator (``device_op.h``), GPUs where the exchange operator is
+  unavailable: the same step as a custom operator, with synchronous copies.
 
 The asynchronous operator relies on the C++ ABI of the libmxnet.so it was
 built against (``mxnet_abi.h``); a self-test in a subprocess checks it once
 per build (``selftest.py``, its verdict in ``<library>.selftest``), and the
 host operator is used if it fails. ``GLUON_SYNCBN_ASYNC=0`` turns it off.
+The exchange operator relies on the same ABI and self-test (the device
+operator is used if it fails); ``GLUON_SYNCBN_EXCHANGE=0`` turns it off.
 
 ``GLUON_SYNCBN_OPERATOR`` selects the implementation within one process:
 
@@ -51,6 +56,8 @@ __all__ = ['HOST_OP_TYPE', 'DEVICE_OP_TYPE', 'load', 'implementation']
 
 ASYNC_OP = '_gluon_syncbn_sync'
 ASYNC_VARIABLE = 'GLUON_SYNCBN_ASYNC'
+EXCHANGE_OP = '_gluon_syncbn_exchange'
+EXCHANGE_VARIABLE = 'GLUON_SYNCBN_EXCHANGE'
 HOST_OP_TYPE = '_gluon_syncbn_host'
 DEVICE_OP_TYPE = '_gluon_syncbn_device'
 IMPLEMENTATION_VARIABLE = 'GLUON_SYNCBN_OPERATOR'
@@ -69,7 +76,7 @@ FLAGS = ['-O3', '-shared', '-fPIC', '-std=c++14',
 BUILD_SECONDS = 300
 SELFTEST_SECONDS = 120
 
-_state = {'lib': None, 'why_not': None, 'async': None}
+_state = {'lib': None, 'why_not': None, 'async': None, 'exchange': None}
 
 
 class NativeUnavailable(Exception):
@@ -172,6 +179,7 @@ def _declare(lib):
     c = ctypes
     lib.gsbn_register.argtypes = [c.c_char_p, c.c_char_p]
     lib.gsbn_register_async.argtypes = []
+    lib.gsbn_register_exchange.argtypes = []
     lib.gsbn_group_create.argtypes = [c.c_char_p, c.c_char_p, c.c_char_p, c.c_int, c.c_double,
                                       c.c_char_p, c.POINTER(c.c_int), c.c_int]
     lib.gsbn_group_create.restype = None
@@ -209,6 +217,12 @@ def load():
             if _async_works(path) and lib.gsbn_register_async() == 0:
                 from ..mxnet_private import operator_functions
                 _state['async'] = operator_functions(ASYNC_OP)
+                # The one place the GPU path's operator is chosen: the
+                # exchange operator where the self-test passed (it covers
+                # both), else the custom device operator (device_operator()).
+                if (os.environ.get(EXCHANGE_VARIABLE, '1') != '0'
+                        and lib.gsbn_register_exchange() == 0):
+                    _state['exchange'] = operator_functions(EXCHANGE_OP)
         except (NativeUnavailable, OSError) as exc:
             _state['why_not'] = str(exc)
             if choice == 'auto':
@@ -250,8 +264,9 @@ def _async_works(path):
         verdict = f.read()
     if verdict != 'ok':
         warnings.warn(
-            'gluon_syncbn: the asynchronous CPU operator failed its self-test with this MXNet '
-            'build (%s; see %s). Using the custom operator, about 3x the host cost per call. '
+            'gluon_syncbn: the asynchronous CPU operator (and the GPU path\'s exchange operator) '
+            'failed its self-test with this MXNet build (%s; see %s). Using the custom '
+            'operators, about 3x the host cost per call. '
             'Set %s=0 to silence this.' % (verdict.strip()[-300:], marker, ASYNC_VARIABLE),
             RuntimeWarning, stacklevel=3)
     return verdict == 'ok'
@@ -269,6 +284,13 @@ def cause(lib):
     buf = ctypes.create_string_buffer(1 << 14)
     lib.gsbn_cause(buf, len(buf))
     return buf.value.decode('utf-8', 'replace')
+
+
+def device_operator():
+    """``{mx.nd: f, mx.sym: f}`` for the exchange operator (the GPU path), or
+    None: the custom device operator (``DEVICE_OP_TYPE``) is used."""
+    load()
+    return _state['exchange']
 
 
 def async_operator():

@@ -56,6 +56,83 @@ double momentum_step(double running, double batch, double momentum, int dtype) {
   return static_cast<float>(scaled + static_cast<float>(batch * (1.0 - momentum)));
 }
 
+// The maths of the synchronization step on per-channel vectors, shared by
+// the custom device operator (below) and the exchange operator
+// (exchange_op.h).
+
+// This device's mean and variance from the block's moments: m1 (the centre),
+// m2 (mean of x - m1) and v (mean of (x - m1)^2), row statistics (rows, C).
+void device_moments(const Params& p, const std::vector<double>& m1,
+                    const std::vector<double>& m2_rows, const std::vector<double>& v_rows,
+                    double count, std::vector<double>* mean, std::vector<double>* var) {
+  const size_t C = m1.size();
+  std::vector<double> m2 = local_mean(m2_rows, C, count, p.row_sums),
+                      v = local_mean(v_rows, C, count, p.row_sums);
+  mean->assign(C, 0.0);
+  var->assign(C, 0.0);
+  for (size_t c = 0; c < C; ++c) {
+    (*mean)[c] = m1[c] + m2[c];
+    (*var)[c] = std::max(v[c] - m2[c] * m2[c], 0.0);
+  }
+}
+
+// The scale and shift that normalize x - m1 with the group's statistics.
+void scale_shift(const Params& p, const Info& stats, const std::vector<double>& m1,
+                 const std::vector<double>& gamma, const std::vector<double>& beta,
+                 std::vector<double>* scale, std::vector<double>* shift) {
+  const size_t C = m1.size();
+  scale->assign(C, 0.0);
+  shift->assign(C, 0.0);
+  for (size_t c = 0; c < C; ++c) {
+    double inv_std = 1.0 / std::sqrt(stats.var[c] + p.eps);
+    (*scale)[c] = (p.fix_gamma ? 1.0 : gamma[c]) * inv_std;
+    // Centred on m1: the large offset never meets the data again.
+    (*shift)[c] = beta[c] - (stats.mean[c] - m1[c]) * (*scale)[c];
+  }
+}
+
+// Backward, before the exchange: from d scale and d shift, this device's
+// sum dy*(x - mean) and d gamma (gamma becomes 1 under fix_gamma; d beta is
+// d shift). An empty slice adds nothing (MXNet leaves reductions over size-0
+// arrays unwritten: its d scale, d shift are not even zeros).
+void backward_local(const Params& p, const Info& stats, const std::vector<double>& m1,
+                    double count, std::vector<double>* gamma, std::vector<double>* d_scale,
+                    std::vector<double>* d_shift, std::vector<double>* inv_std,
+                    std::vector<double>* sum_dy_xc, std::vector<double>* d_gamma) {
+  const size_t C = m1.size();
+  if (count == 0) {
+    d_scale->assign(C, 0.0);
+    d_shift->assign(C, 0.0);
+  }
+  inv_std->assign(C, 0.0);
+  sum_dy_xc->assign(C, 0.0);
+  d_gamma->assign(C, 0.0);
+  for (size_t c = 0; c < C; ++c) {
+    if (p.fix_gamma) (*gamma)[c] = 1.0;
+    (*inv_std)[c] = 1.0 / std::sqrt(stats.var[c] + p.eps);
+    (*sum_dy_xc)[c] = (*d_scale)[c] - (*d_shift)[c] * (stats.mean[c] - m1[c]);
+    (*d_gamma)[c] = p.fix_gamma ? 0.0 : (*sum_dy_xc)[c] * (*inv_std)[c];
+  }
+}
+
+// Backward, after the exchange (`total`: the group's BACKWARD sums): through
+// the global mean and variance to this device's m2 and v.
+void backward_moments(const Info& stats, const std::vector<double>& m1,
+                      const std::vector<double>& gamma, const std::vector<double>& inv_std,
+                      const std::vector<double>& total, double count,
+                      std::vector<double>* d_m2, std::vector<double>* d_v) {
+  const size_t C = m1.size();
+  d_m2->assign(C, 0.0);
+  d_v->assign(C, 0.0);
+  const double w = count / stats.n;
+  for (size_t c = 0; c < C; ++c) {
+    double g_delta = -total[c] * gamma[c] * inv_std[c];
+    double g_var = -0.5 * total[C + c] * gamma[c] * std::pow(inv_std[c], 3);
+    (*d_m2)[c] = g_delta * w + g_var * 2.0 * w * (m1[c] - stats.mean[c]);
+    (*d_v)[c] = g_var * w;
+  }
+}
+
 int copy_failed(const Group& g, const std::string& error) {
   return failed_call(), fail("SyncBatchNormError", "SyncBatchNorm '" + g.name +
                              "': copying the statistics failed: " + error);
@@ -85,12 +162,8 @@ int device_forward(int size, void** ptrs, int* tags, const int* req, const int i
     stats.mean = rmean;
     stats.var = rvar;
   } else {
-    std::vector<double> m2 = local_mean(m2_rows, C, count, p.row_sums),
-                        v = local_mean(v_rows, C, count, p.row_sums), mean(C), var(C);
-    for (size_t c = 0; c < C; ++c) {
-      mean[c] = m1[c] + m2[c];
-      var[c] = std::max(v[c] - m2[c] * m2[c], 0.0);
-    }
+    std::vector<double> mean, var;
+    device_moments(p, m1, m2_rows, v_rows, count, &mean, &var);
     if (!exchange_forward(op, count, mean, var, &stats)) return failed_call();
     bool ok;
     if (ordered) {
@@ -110,13 +183,8 @@ int device_forward(int size, void** ptrs, int* tags, const int* req, const int i
     }
     if (!ok) return copy_failed(g, error);
   }
-  std::vector<double> scale(C), shift(C);
-  for (size_t c = 0; c < C; ++c) {
-    double inv_std = 1.0 / std::sqrt(stats.var[c] + p.eps);
-    scale[c] = (p.fix_gamma ? 1.0 : gamma[c]) * inv_std;
-    // Centred on m1: the large offset never meets the data again.
-    shift[c] = beta[c] - (stats.mean[c] - m1[c]) * scale[c];
-  }
+  std::vector<double> scale, shift;
+  scale_shift(p, stats, m1, gamma, beta, &scale, &shift);
   const auto& out = h.by_tag[kOutData];
   if (!write_copy(out[kScale], scale, req[kScale], &error) ||
       !write_copy(out[kShift], shift, req[kShift], &error) ||
@@ -156,28 +224,13 @@ int device_backward(int size, void** ptrs, int* tags, const int* req, const int,
   const Info stats = unpack_info(packed);
   const size_t C = m1.size();
   const double count = sample_count(shape, C);
-  if (count == 0) {  // an empty slice adds nothing (MXNet leaves reductions over
-    d_scale.assign(C, 0.0);  // size-0 arrays unwritten: these are not even zeros)
-    d_shift.assign(C, 0.0);
-  }
-  std::vector<double> inv_std(C), sum_dy_xc(C), d_gamma(C);
-  for (size_t c = 0; c < C; ++c) {
-    if (p.fix_gamma) gamma[c] = 1.0;
-    inv_std[c] = 1.0 / std::sqrt(stats.var[c] + p.eps);
-    sum_dy_xc[c] = d_scale[c] - d_shift[c] * (stats.mean[c] - m1[c]);  // sum dy*(x - mean)
-    d_gamma[c] = p.fix_gamma ? 0.0 : sum_dy_xc[c] * inv_std[c];
-  }
+  std::vector<double> inv_std, sum_dy_xc, d_gamma;
+  backward_local(p, stats, m1, count, &gamma, &d_scale, &d_shift, &inv_std, &sum_dy_xc,
+                 &d_gamma);
   std::vector<double> total;
   if (!exchange_backward(op, stats, d_shift, sum_dy_xc, &total)) return failed_call();
-  // Through the global mean and variance to this device's m2 and v.
-  std::vector<double> d_m2(C), d_v(C);
-  const double w = count / stats.n;
-  for (size_t c = 0; c < C; ++c) {
-    double g_delta = -total[c] * gamma[c] * inv_std[c];
-    double g_var = -0.5 * total[C + c] * gamma[c] * std::pow(inv_std[c], 3);
-    d_m2[c] = g_delta * w + g_var * 2.0 * w * (m1[c] - stats.mean[c]);
-    d_v[c] = g_var * w;
-  }
+  std::vector<double> d_m2, d_v;
+  backward_moments(stats, m1, gamma, inv_std, total, count, &d_m2, &d_v);
   const std::vector<double> zeros_mean(C, 0.0), zeros_shape(shape.size(), 0.0);
   if (!write_copy(grads[kMean], zeros_mean, req[kMean], &error) ||  // m1 is a constant
       !write_copy(grads[kResidual],

@@ -1,8 +1,8 @@
-"""Run in a subprocess by ``native.load()``: does the asynchronous operator
-work with this MXNet build? It relies on libmxnet's C++ ABI (see
-``mxnet_abi.h``); a build whose ABI differs crashes here, not in the user's
-process. Checks one device's forward and backward, imperative and in a static
-graph, against NumPy. Prints ``ok`` and exits 0 if so."""
+"""Run in a subprocess by ``native.load()``: do the asynchronous operator and
+the exchange operator work with this MXNet build? They rely on libmxnet's C++
+ABI (see ``mxnet_abi.h``); a build whose ABI differs crashes here, not in the
+user's process. Checks one device's forward and backward of each, imperative
+and in a static graph, against NumPy. Prints ``ok`` and exits 0 if so."""
 import os
 import sys
 
@@ -65,8 +65,48 @@ def main():
                           (running[0], 0.1 * x.mean(axis=(0, 2)))):
             if not np.allclose(got.asnumpy(), want, rtol=1e-9, atol=1e-9):
                 sys.exit('wrong results (hybridized=%s)' % hybridize)
+    exchange = native.device_operator()
+    if exchange is not None:
+        check_exchange(exchange, kwargs, x, w, gamma, beta, want_y, want_dx, want_dgamma)
     lib.gsbn_group_remove(GROUP.encode())
     print('ok')
+
+
+def check_exchange(exchange, kwargs, x, w, gamma, beta, want_y, want_dx, want_dgamma):
+    """The exchange operator (the GPU path) in the graph the block builds
+    around it: moments by MXNet's operators, one packed vector in and out."""
+
+    class Layer(gluon.HybridBlock):
+        def hybrid_forward(self, F, data, g, b, m, v):
+            m1 = F.BlockGrad(F.mean(data, axis=1, exclude=True, keepdims=True))
+            xc = F.broadcast_sub(data, m1)
+            m2 = F.mean(xc, axis=1, exclude=True, keepdims=True)
+            sqdev = F.mean(F.square(xc), axis=1, exclude=True, keepdims=True)
+            shape = F.Cast(F.BlockGrad(F.shape_array(data)), dtype='float64')
+            packed = F.concat(F.reshape(F.concat(m1, m2, sqdev, dim=0), shape=(-1,)), shape,
+                              g, b, dim=0)
+            out = exchange[F](packed, m1, g, b, m, v, static_shape=True, **kwargs)
+            scale, shift = F.split(out, num_outputs=2, axis=0)
+            return F.broadcast_add(F.broadcast_mul(xc, F.reshape_like(scale, m1)),
+                                   F.reshape_like(shift, m1))
+
+    for hybridize in (False, True):
+        arrays = [mx.nd.array(a, dtype='float64') for a in (x, gamma, beta)]
+        running = [mx.nd.zeros(3, dtype='float64'), mx.nd.ones(3, dtype='float64')]
+        for a in arrays:
+            a.attach_grad()
+        layer = Layer()
+        if hybridize:
+            layer.hybridize(static_alloc=True, static_shape=True)
+        with autograd.record():
+            y = layer(*(arrays + running))
+        y.backward(mx.nd.array(w, dtype='float64'))
+        for got, want in ((y, want_y), (arrays[0].grad, want_dx), (arrays[1].grad, want_dgamma),
+                          (arrays[2].grad, w.sum(axis=(0, 2))),
+                          (running[0], 0.1 * x.mean(axis=(0, 2))),
+                          (running[1], 0.9 + 0.1 * x.var(axis=(0, 2)))):
+            if not np.allclose(got.asnumpy(), want, rtol=1e-9, atol=1e-9):
+                sys.exit('wrong results from the exchange operator (hybridized=%s)' % hybridize)
 
 
 if __name__ == '__main__':

@@ -8,8 +8,12 @@
 //                same call as a custom operator (MXCustomOpRegister, the C API),
 //                blocking on MXNet's custom-operator threads, as the Python
 //                operator in op.py does (see docs/design.md, "The engine hazard");
-//   device_op.h  GPUs: MXNet's operators compute the local moments on the
-//                device; this custom operator exchanges per-channel vectors only.
+//   exchange_op.h GPUs: MXNet's operators compute the local moments on the
+//                device; this asynchronous operator of MXNet's own kind (cpu and
+//                gpu) exchanges the packed per-channel vector through MXNet's
+//                engine copies, with no thread waiting;
+//   device_op.h  GPUs, where exchange_op.h's ABI self-test failed: the same
+//                step as a custom operator, with synchronous copies.
 //   session.h    the step token, the call-order barrier (blocking for the custom
 //                operators, with continuations for async_op.h, whose deadlines a
 //                watchdog thread keeps), recovery: every failure (a timeout,
@@ -42,6 +46,7 @@
 
 #include "async_op.h"
 #include "device_op.h"
+#include "exchange_op.h"
 #include "host_op.h"
 
 namespace {
@@ -66,6 +71,12 @@ extern "C" {
 // Registers the asynchronous operator (_gluon_syncbn_sync); 0 on success.
 int gsbn_register_async() {
   register_async_op();
+  return 0;
+}
+
+// Registers the exchange operator (_gluon_syncbn_exchange); 0 on success.
+int gsbn_register_exchange() {
+  register_exchange_op();
   return 0;
 }
 

@@ -1,0 +1,481 @@
+// The exchange operator: the GPU path's synchronization step as an
+// asynchronous operator of MXNet's own kind (registered for cpu and gpu
+// contexts in MXNet's C++ registry, see mxnet_abi.h), in place of the custom
+// device operator's blocked threads and per-array synchronous copies.
+//
+//   forward:  packed [m1 | m2 | v | shape | gamma | beta] (the block's concat),
+//             m1, gamma, beta (their shapes only), running mean/var (mutated)
+//             -> packed [scale | shift]
+//   backward: d [scale | shift] -> d packed (m1's and shape's parts zero)
+//
+// Its compute function never touches device memory. It issues MXNet's own
+// engine copies (CopyFromTo) from a fresh-variable view of the packed input to
+// host staging (pinned memory for a GPU), then an engine operation that reads
+// the staging array, so it runs once the copy has completed; that operation
+// hands the host vector to exchange_async (session.h). The continuation (the
+// thread of the last device to arrive) computes scale and shift (device_op.h's
+// maths), writes them to host staging, CopyFromTo's them into a fresh-variable
+// view of the output, queues the running statistics' read-modify-write with
+// MXNet's operators, and a last engine operation reading the output's view
+// (and the running statistics' views) completes the call. Every failure
+// completes it at once with the error, exactly once.
+//
+// Why fresh-variable views: the engine holds this operator's own variables
+// (its output's, its inputs') until it completes, so a copy declared on them
+// would wait for the operator while the operator waits for the copy. The
+// views' memory is the operator's, alive until it completes.
+//
+// The forward's statistics, m1, gamma and count stay in the state for the
+// backward call: one packed copy each way per call, forward and backward.
+#pragma once
+#include "mxnet_abi.h"
+#include "async_op.h"
+#include "device_op.h"
+
+namespace {
+
+const char* EXCHANGE_OP = "_gluon_syncbn_exchange";
+const char* EXCHANGE_BACKWARD_OP = "_backward_gluon_syncbn_exchange";
+
+struct ExchangeState {
+  Op op;                 // params, group, device, issue token
+  int dev_id = 0;
+  Info stats;            // the forward's global statistics and call number
+  std::vector<double> m1, gamma;
+  double count = 0;
+};
+
+// Turns off the engine's bulking on this thread for its scope. A thread
+// inside a bulked segment (the main thread running a graph, where this
+// operator's compute may run inline) appends a synchronous operation to the
+// segment instead of pushing it, and the segment runs as one operation that
+// waits for all its variables: among them this operator's output, so an
+// operation this operator waits for would wait for it (a deadlock), and
+// dependencies would be registered out of order. Setting the size flushes
+// what the segment holds so far.
+struct NoBulk {
+  int previous = 0;
+  NoBulk() { MXEngineSetBulkSize(0, &previous); }
+  ~NoBulk() {
+    int zero = 0;
+    MXEngineSetBulkSize(previous, &zero);
+  }
+};
+
+bool on_gpu(const mxnet::NDArray& a) { return a.ctx().dev_type == mxnet::Context::kGPU; }
+
+// A new engine variable over a's memory (see above).
+mxnet::NDArray fresh_view(const mxnet::NDArray& a) {
+  return mxnet::NDArray(a.data(), a.ctx().dev_id);
+}
+
+// Host memory for copies to and from `like`'s device: pinned for a GPU.
+mxnet::NDArray staging(const mxnet::NDArray& like, int64_t size, int dtype) {
+  const mxnet::Context ctx = on_gpu(like) ? mxnet::Context::CPUPinned(like.ctx().dev_id)
+                                          : mxnet::Context::CPU();
+  return mxnet::NDArray(mxnet::TShape(1, size), ctx, false, dtype);
+}
+
+Array host_array(const mxnet::NDArray& a) {
+  Array out;
+  out.shape.push_back(static_cast<int64_t>(a.shape().Size()));
+  out.dtype = a.dtype();
+  out.data = out.size() > 0 ? a.data().dptr_ : nullptr;
+  return out;
+}
+
+std::vector<double> read_host(const mxnet::NDArray& a, int64_t begin, int64_t end) {
+  Array h = host_array(a);
+  std::vector<double> out;
+  for (int64_t i = begin; i < end; ++i) out.push_back(at(h, i));
+  return out;
+}
+
+// Runs `fn` as an engine operation on CPU context `dev_id`'s worker once
+// every operation queued so far on `reads` has completed. False (fn dropped,
+// never run) if the engine refused.
+bool run_after(const std::vector<mxnet::NDArray>& reads, int dev_id, std::function<void()> fn,
+               const char* name, std::string* error) {
+  std::vector<NDArrayHandle> handles;
+  for (const auto& a : reads) handles.push_back(const_cast<mxnet::NDArray*>(&a));
+  int ctx[2] = {1, dev_id};  // mxnet::Context{kCPU, dev_id}
+  auto* f = new Finish{std::move(fn)};
+  if (MXEnginePushSyncND(run_finish, f, delete_finish, ctx, handles.data(),
+                         static_cast<int>(handles.size()), nullptr, 0, nullptr, 0, name) != 0) {
+    *error = MXGetLastError();
+    return false;
+  }
+  return true;
+}
+
+// CopyFromTo, with its CHECK failures as an error.
+bool copy_to(const mxnet::NDArray& from, const mxnet::NDArray& to, std::string* error) {
+  try {
+    mxnet::CopyFromTo(from, to, 0, false);
+    return true;
+  } catch (const std::exception& e) {
+    *error = e.what();
+    return false;
+  }
+}
+
+// Queue running = running * momentum + batch * (1 - momentum) on `running`
+// (an array on any device) with MXNet's operators, as arrays.h's
+// running_update_async does (the same rounding), but with the batch share
+// copied to the device by an engine copy instead of a synchronous one.
+bool queue_running_update(const mxnet::NDArray& running, const std::vector<double>& batch,
+                          double momentum, std::string* error) {
+  const int64_t C = static_cast<int64_t>(batch.size());
+  mxnet::NDArray share(mxnet::TShape(1, C), running.ctx(), false, running.dtype());
+  mxnet::NDArray host = on_gpu(running) ? staging(running, C, running.dtype()) : share;
+  Array h = host_array(host);
+  for (int64_t c = 0; c < C; ++c) put(h, c, batch[c] * (1.0 - momentum), 1);
+  if (on_gpu(running) && !copy_to(host, share, error)) return false;
+  char scalar[32];
+  std::snprintf(scalar, sizeof(scalar), "%.17g", momentum);
+  void* r = const_cast<mxnet::NDArray*>(&running);
+  void* s = &share;
+  if (!invoke("_mul_scalar", {r}, r, {"scalar"}, {scalar}) ||
+      !invoke("elemwise_add", {r, s}, r, {}, {})) {
+    *error = MXGetLastError();
+    return false;
+  }
+  return true;
+}
+
+std::string exchange_error(const Group& g, const std::string& error) {
+  return in_layer(g.name, "exchanging the statistics failed: " + error);
+}
+
+// A call that failed on its own (an engine refusal, a copy MXNet rejected):
+// the step is aborted, so the other devices' calls fail now instead of
+// waiting for this one until the timeout, and the call completes with it.
+void fail_call(const mxnet::engine::CallbackOnComplete& on_complete, const Group& g,
+               const std::string& error) {
+  const std::string message = exchange_error(g, error);
+  abort_step(message);
+  complete(on_complete, message);
+}
+
+mxnet::OpStatePtr exchange_create_state(const nnvm::NodeAttrs& attrs, mxnet::Context ctx,
+                                        const mxnet::ShapeVector&, const std::vector<int>&) {
+  auto* state = new ExchangeState();
+  state->dev_id = ctx.dev_id;
+  state->op.params = node_params(attrs);
+  std::string error;
+  state->op.group = find_group(state->op.params.group_id, &error);
+  CHECK(state->op.group) << error;
+  const std::string kind = ctx.dev_type == mxnet::Context::kGPU ? "gpu(" : "cpu(";
+  state->op.device = device_index(*state->op.group, kind + std::to_string(ctx.dev_id) + ")",
+                                  &error);
+  CHECK_GE(state->op.device, 0) << error;
+  state->op.token = issue_token();
+  return make_state(state, layer_variable(state->op.params.group_id, state->op.device));
+}
+
+// Inputs: packed, m1, gamma, beta, running_mean, running_var.
+void exchange_op_forward(const mxnet::OpStatePtr& state_ptr, const mxnet::OpContext& ctx,
+                      const std::vector<mxnet::NDArray>& in,
+                      const std::vector<mxnet::OpReqType>& req,
+                      const std::vector<mxnet::NDArray>& out) {
+  NoBulk no_bulk;
+  ExchangeState& state = state_ptr.get_state<ExchangeState>();
+  ExchangeState* s = &state;
+  const mxnet::OpStatePtr state_held = state_ptr;  // s stays valid till the call completes
+  const Op op = state.op;
+  const Params& p = op.params;
+  auto on_complete = ctx.async_on_complete;
+  Group* const gp = op.group.get();  // op (captured) keeps it alive
+  const int64_t C = static_cast<int64_t>(in[4].shape().Size());
+  const mxnet::NDArray packed = plain(in[0]);
+  const int64_t P = static_cast<int64_t>(packed.shape().Size());
+  const int64_t ndim = P - 5 * C;
+  if (ndim < 1 || ndim > 5 || req[0] == kAddTo)
+    return complete(on_complete, in_layer(gp->name, "the exchange operator got a packed input "
+                                          "of " + std::to_string(P) + " elements for " +
+                                          std::to_string(C) + " channels"));
+  const bool train = ctx.is_train;
+  uint64_t token = 0;
+  int64_t call = -1;
+  std::string error;
+  if (train && !number_call(*gp, op.device, p.static_shape, op.token, &token, &call, &error))
+    return complete(on_complete, error);
+  // Device to host: the packed vector (and in predict mode the running statistics).
+  std::vector<mxnet::NDArray> sources = {packed};
+  if (!train) sources.insert(sources.end(), {plain(in[4]), plain(in[5])});
+  std::vector<mxnet::NDArray> views, hosts;
+  for (const auto& a : sources) {
+    views.push_back(fresh_view(a));
+    hosts.push_back(staging(a, static_cast<int64_t>(a.shape().Size()), a.dtype()));
+    if (!copy_to(views.back(), hosts.back(), &error))
+      return fail_call(on_complete, *gp, error);
+  }
+  const mxnet::NDArray out_view = fresh_view(out[0]);
+  const mxnet::NDArray out_host = staging(out[0], 2 * C, out[0].dtype());
+  // The running statistics' arrays: the Parameter's own in static_shape
+  // graphs, whose auxiliary states are read-only (queued behind every earlier
+  // operation on them); else this call's mutable inputs, through views
+  // written before the call completes.
+  const bool ordered = p.static_shape && gp->running.size() == gp->devices.size();
+  std::vector<mxnet::NDArray> running;
+  if (train) {
+    if (ordered) {
+      for (NDArrayHandle h : gp->running[op.device])
+        running.push_back(*static_cast<mxnet::NDArray*>(h));
+    } else {
+      running = {fresh_view(plain(in[4])), fresh_view(plain(in[5]))};
+    }
+  }
+  const int dev_id = state.dev_id;
+  // Keeps every array the call's pushed operations use alive until it completes.
+  std::vector<mxnet::NDArray> keep = {in[0], in[4], in[5], out[0], packed};
+  auto finish = [=](const std::vector<double>& m1, const std::vector<double>& gamma,
+                    const std::vector<double>& beta, const Info& stats) {
+    NoBulk no_bulk;
+    std::string error;
+    try {
+      std::vector<double> scale, shift;
+      scale_shift(p, stats, m1, gamma, beta, &scale, &shift);
+      Array h = host_array(out_host);
+      for (int64_t c = 0; c < C; ++c) {
+        put(h, c, scale[c], 1);
+        put(h, C + c, shift[c], 1);
+      }
+      std::vector<mxnet::NDArray> wait = {out_view};
+      if (req[0] != kNull && !copy_to(out_host, out_view, &error))
+        return fail_call(on_complete, *gp, error);
+      if (train) {
+        if (!queue_running_update(running[0], stats.mean, p.momentum, &error) ||
+            !queue_running_update(running[1], stats.var, p.momentum, &error))
+          return fail_call(on_complete, *gp, error);
+        if (!ordered) wait.insert(wait.end(), running.begin(), running.end());
+      }
+      std::vector<mxnet::NDArray> held = keep;
+      held.push_back(out_host);
+      if (!run_after(wait, dev_id, [=]() { (void)held; complete(on_complete, ""); },
+                     "gluon_syncbn_exchange_done", &error))
+        fail_call(on_complete, *gp, error);
+    } catch (const std::exception& e) {
+      fail_call(on_complete, *gp, e.what());
+    }
+  };
+  auto exchange_step = [=]() {
+    (void)state_held;
+    NoBulk no_bulk;
+    try {
+      const mxnet::NDArray& host = hosts[0];
+      std::vector<double> m1 = read_host(host, 0, C), m2 = read_host(host, C, 2 * C),
+                          v = read_host(host, 2 * C, 3 * C),
+                          shape = read_host(host, 3 * C, 3 * C + ndim),
+                          gamma = read_host(host, 3 * C + ndim, 4 * C + ndim),
+                          beta = read_host(host, 4 * C + ndim, 5 * C + ndim);
+      const double count = sample_count(shape, static_cast<size_t>(C));
+      s->m1 = m1;
+      s->gamma = gamma;
+      s->count = count;
+      if (!train) {
+        Info stats;  // call < 0: no backward through it
+        stats.mean = read_host(hosts[1], 0, C);
+        stats.var = read_host(hosts[2], 0, C);
+        s->stats = stats;
+        return finish(m1, gamma, beta, stats);
+      }
+      std::vector<double> mean, var;
+      device_moments(p, m1, m2, v, count, &mean, &var);
+      exchange_async(*gp, Key(0, token, call), op.device, pack_forward(count, mean, var),
+                     p.dtype_name,
+                     [=](const std::string& error, const std::vector<double>& total) {
+        if (!error.empty()) return complete(on_complete, error);
+        Info stats;
+        unpack_forward(total, &stats.n, &stats.mean, &stats.var);
+        stats.token = static_cast<double>(token);
+        stats.call = static_cast<double>(call);
+        s->stats = stats;
+        finish(m1, gamma, beta, stats);
+      });
+    } catch (const std::exception& e) {
+      fail_call(on_complete, *gp, e.what());
+    }
+  };
+  std::vector<mxnet::NDArray> after = hosts;
+  if (!run_after(after, dev_id, [=]() { (void)views; exchange_step(); },
+                 "gluon_syncbn_exchange", &error))
+    fail_call(on_complete, *gp, error);
+}
+
+// Input: d [scale | shift]; output: d packed.
+void exchange_op_backward(const mxnet::OpStatePtr& state_ptr, const mxnet::OpContext& ctx,
+                       const std::vector<mxnet::NDArray>& in,
+                       const std::vector<mxnet::OpReqType>& req,
+                       const std::vector<mxnet::NDArray>& out) {
+  NoBulk no_bulk;
+  ExchangeState& state = state_ptr.get_state<ExchangeState>();
+  const Op op = state.op;
+  const Params& p = op.params;
+  Group* const gp = op.group.get();  // op (captured) keeps it alive
+  auto on_complete = ctx.async_on_complete;
+  const Info stats = state.stats;
+  if (stats.call < 0) return complete(on_complete, inference_backward(gp->name));
+  std::string error = dtype_problem(gp->name, "the gradient of its output", in[0].dtype());
+  if (!error.empty()) {
+    abort_step(error);  // the other devices' backward calls would wait for this one
+    return complete(on_complete, error);
+  }
+  if (req[0] == kAddTo)
+    return complete(on_complete, in_layer(gp->name, "the exchange operator cannot add to "
+                                          "its input's gradient"));
+  if (!backward_current(*gp, p.static_shape, op.token, &error))
+    return complete(on_complete, error);
+  const std::vector<double> m1 = state.m1;
+  const double count = state.count;
+  std::vector<double> gamma = state.gamma;
+  const int64_t C = static_cast<int64_t>(m1.size());
+  const mxnet::NDArray dy = plain(in[0]);
+  const int64_t P = static_cast<int64_t>(out[0].shape().Size());
+  const int64_t ndim = P - 5 * C;
+  const mxnet::NDArray dy_view = fresh_view(dy);
+  const mxnet::NDArray dy_host = staging(dy, 2 * C, dy.dtype());
+  if (!copy_to(dy_view, dy_host, &error)) return fail_call(on_complete, *gp, error);
+  const mxnet::NDArray gin_view = fresh_view(out[0]);
+  const mxnet::NDArray gin_host = staging(out[0], P, out[0].dtype());
+  const int dev_id = state.dev_id;
+  const bool write = req[0] != kNull;
+  std::vector<mxnet::NDArray> keep = {in[0], dy, out[0], gin_host};
+  auto step = [=]() {
+    NoBulk no_bulk;
+    try {
+      std::vector<double> d_scale = read_host(dy_host, 0, C),
+                          d_shift = read_host(dy_host, C, 2 * C);
+      std::vector<double> g_ = gamma, inv_std, sum_dy_xc, d_gamma;
+      backward_local(p, stats, m1, count, &g_, &d_scale, &d_shift, &inv_std, &sum_dy_xc,
+                     &d_gamma);
+      exchange_async(*gp, Key(1, static_cast<uint64_t>(stats.token),
+                            static_cast<int64_t>(stats.call)),
+                     op.device, pack_backward(d_shift, sum_dy_xc), p.dtype_name,
+                     [=](const std::string& error, const std::vector<double>& total) {
+        if (!error.empty()) return complete(on_complete, error);
+        if (!write) return complete(on_complete, "");
+        NoBulk no_bulk;
+        std::vector<double> d_m2, d_v;
+        backward_moments(stats, m1, g_, inv_std, total, count, &d_m2, &d_v);
+        Array h = host_array(gin_host);
+        for (int64_t i = 0; i < P; ++i) put(h, i, 0.0, 1);  // m1 and shape: constants
+        for (int64_t c = 0; c < C; ++c) {
+          put(h, C + c, d_m2[c], 1);
+          put(h, 2 * C + c, d_v[c], 1);
+          put(h, 3 * C + ndim + c, d_gamma[c], 1);
+          put(h, 4 * C + ndim + c, d_shift[c], 1);  // d beta = sum dy
+        }
+        std::string failure;
+        if (!copy_to(gin_host, gin_view, &failure))
+          return fail_call(on_complete, *gp, failure);
+        std::vector<mxnet::NDArray> held = keep;
+        if (!run_after({gin_view}, dev_id, [=]() { (void)held; complete(on_complete, ""); },
+                       "gluon_syncbn_exchange_done", &failure))
+          fail_call(on_complete, *gp, failure);
+      });
+    } catch (const std::exception& e) {
+      fail_call(on_complete, *gp, e.what());
+    }
+  };
+  if (!run_after({dy_host}, dev_id, [=]() { (void)dy_view; step(); },
+                 "gluon_syncbn_exchange_backward", &error))
+    fail_call(on_complete, *gp, error);
+}
+
+// ------------------------------------------------------------ registration --
+
+bool exchange_infer_shape(const nnvm::NodeAttrs& attrs, mxnet::ShapeVector* in,
+                          mxnet::ShapeVector* out) {
+  const mxnet::TShape& m1 = (*in)[1];
+  if (!mxnet::shape_is_known(m1)) return false;
+  const int64_t channels = static_cast<int64_t>(m1.Size());
+  const std::string name = layer_name(node_params(attrs));
+  const char* names[] = {"", "", "gamma", "beta", "running_mean", "running_var"};
+  for (int i = 2; i < 6; ++i) {
+    const mxnet::TShape& s = (*in)[i];
+    if (mxnet::ndim_is_known(s) && s.ndim() == 1 && s[0] > 0 && s[0] != channels)
+      LOG(FATAL) << "SyncBatchNorm '" << name << "': input has " << channels
+                 << " channels but " << names[i] << " has " << s[0] << " elements. Set "
+                 << "in_channels=" << channels << " or feed " << s[0] << " channels.";
+    (*in)[i] = mxnet::TShape(1, channels);
+  }
+  const mxnet::TShape& packed = (*in)[0];
+  if (mxnet::shape_is_known(packed)) {  // [m1 | m2 | v | shape | gamma | beta]
+    const int64_t ndim = static_cast<int64_t>(packed.Size()) - 5 * channels;
+    CHECK(ndim >= 2 && ndim <= 5) << "SyncBatchNorm '" << name << "' expects input of 2 to 5 "
+        "dimensions, got " << ndim << ". Reshape the input, e.g. to (N, C, L).";
+  }
+  (*out)[0] = mxnet::TShape(1, 2 * channels);
+  return mxnet::shape_is_known(packed);
+}
+
+bool exchange_infer_type(const nnvm::NodeAttrs& attrs, std::vector<int>* in,
+                         std::vector<int>* out) {
+  const int stat = (*in)[0];
+  if (stat < 0) return false;
+  CHECK(stat != kFloat16) << "SyncBatchNorm '" << layer_name(node_params(attrs))
+      << "' got float16 statistics inside a hybridized graph: call net.cast('float16') so "
+         "the layer knows to compute its statistics in float32.";
+  (*in)[1] = stat;
+  const int param = (*in)[2] >= 0 ? (*in)[2] : stat;
+  for (int i = 2; i < 6; ++i) (*in)[i] = param;
+  (*out)[0] = stat;
+  return true;
+}
+
+std::vector<std::string> exchange_input_names(const nnvm::NodeAttrs&) {
+  return {"packed", "m1", "gamma", "beta", "running_mean", "running_var"};
+}
+
+std::vector<uint32_t> exchange_mutated(const nnvm::NodeAttrs&) { return {4, 5}; }
+
+// d packed from the backward node; m1, gamma and beta were read for their
+// shapes only (their gradients flow through the packed input), the running
+// statistics get none.
+std::vector<nnvm::NodeEntry> exchange_gradient(const nnvm::ObjectPtr& node,
+                                               const std::vector<nnvm::NodeEntry>& out_grads) {
+  const auto& inputs = reinterpret_cast<const NodeLayout*>(node.get())->inputs;
+  nnvm::ObjectPtr grad = make_node(EXCHANGE_BACKWARD_OP, {out_grads[0]}, {node});
+  std::vector<nnvm::NodeEntry> out = {nnvm::NodeEntry(grad, 0, 0)};
+  for (int i = 1; i < 4; ++i)
+    out.emplace_back(make_node("zeros_like", {inputs[i]}, {}), 0, 0);
+  nnvm::ObjectPtr none = make_node("_NoGradient", {}, {});
+  out.emplace_back(none, 0, 0);
+  out.emplace_back(none, 0, 0);
+  return out;
+}
+
+void register_exchange_op() {
+  auto* registry = dmlc::Registry<nnvm::Op>::Get();
+  nnvm::Op* fwd = &registry->__REGISTER_OR_GET__(EXCHANGE_OP);
+  fwd->set_num_inputs(6).set_num_outputs(1);
+  for (const char* name : {"packed", "m1", "gamma", "beta", "running_mean", "running_var"})
+    fwd->add_argument(name, "NDArray-or-Symbol", name);
+  set_attr<nnvm::FListInputNames>(fwd, "FListInputNames", OLD_ABI(exchange_input_names));
+  set_attr<nnvm::FMutateInputs>(fwd, "FMutateInputs", OLD_ABI(exchange_mutated));
+  set_attr<mxnet::FInferShape>(fwd, "FInferShape", OLD_ABI(exchange_infer_shape));
+  set_attr<nnvm::FInferType>(fwd, "FInferType", OLD_ABI(exchange_infer_type));
+  set_attr<mxnet::FInferStorageType>(fwd, "FInferStorageType", OLD_ABI(async_infer_storage));
+  set_attr<mxnet::FCreateOpState>(fwd, "FCreateOpState", OLD_ABI(exchange_create_state));
+  set_attr<mxnet::FExecType>(fwd, "FExecType", OLD_ABI(async_exec));
+  set_attr<mxnet::FStatefulComputeEx>(fwd, "FStatefulComputeEx<cpu>",
+                                      OLD_ABI(exchange_op_forward));
+  if (nnvm::Op::GetAttrMap("FStatefulComputeEx<gpu>") != nullptr)
+    set_attr<mxnet::FStatefulComputeEx>(fwd, "FStatefulComputeEx<gpu>",
+                                        OLD_ABI(exchange_op_forward));
+  set_attr<nnvm::FGradient>(fwd, "FGradient", OLD_ABI(exchange_gradient));
+  nnvm::Op* bwd = &registry->__REGISTER_OR_GET__(EXCHANGE_BACKWARD_OP);
+  bwd->set_num_inputs(1).set_num_outputs(1);
+  set_attr<bool>(bwd, "TIsBackward", true);
+  set_attr<bool>(bwd, "TIsLayerOpBackward", true);
+  set_attr<mxnet::FInferStorageType>(bwd, "FInferStorageType", OLD_ABI(async_infer_storage));
+  set_attr<mxnet::FExecType>(bwd, "FExecType", OLD_ABI(async_exec));
+  set_attr<mxnet::FStatefulComputeEx>(bwd, "FStatefulComputeEx<cpu>",
+                                      OLD_ABI(exchange_op_backward));
+  if (nnvm::Op::GetAttrMap("FStatefulComputeEx<gpu>") != nullptr)
+    set_attr<mxnet::FStatefulComputeEx>(bwd, "FStatefulComputeEx<gpu>",
+                                        OLD_ABI(exchange_op_backward));
+}
+
+}  // namespace
