@@ -297,6 +297,10 @@ bool exchange(Group& g, const Key& key, int device, std::vector<double> value,
 
 std::condition_variable& g_watchdog_cv = *new std::condition_variable();
 bool g_watchdog_started = false;
+// When the watchdog wakes next (at the latest a second from its last look):
+// only an exchange with an earlier deadline needs to wake it, so a call with
+// the usual timeout of many seconds costs no thread wake-up.
+std::chrono::steady_clock::time_point g_watchdog_wake;
 
 void watchdog() {
   std::unique_lock<std::mutex> lock(g_mutex);
@@ -320,6 +324,7 @@ void watchdog() {
       lock.lock();
       continue;
     }
+    g_watchdog_wake = next;
     g_watchdog_cv.wait_until(lock, next);
   }
 }
@@ -348,8 +353,8 @@ void exchange_async(Group& g, const Key& key, int device, std::vector<double> va
       } else if (++ex->arrived == n) {
         std::string failure = combine_locked(g, key, ex);
         if (!failure.empty()) abort_locked(failure);
-      } else {
-        g_watchdog_cv.notify_all();  // a new deadline
+      } else if (ex->deadline < g_watchdog_wake) {
+        g_watchdog_cv.notify_all();  // a deadline before the watchdog's next look
       }
     }
   }
