@@ -33,7 +33,9 @@ def _problems(checks):
 def check_missing(r):
     return _problems([
         ('layer named', LAYER.search(r['message'] or '')),
-        ('missing device named', 'missing: cpu(2)' in (r['message'] or '')),
+        # cpu(2) never calls; under load a slow device may miss the short
+        # timeout too, and is rightly named beside it.
+        ('missing device named', re.search(r'missing: [^.]*cpu\(2\)', r['message'] or '')),
         ('waited the timeout, not longer', 0.75 * MISSING_TIMEOUT < r['seconds'] < 30),
         ('next step exact', r['recovered'] < RECOVERED)])
 
