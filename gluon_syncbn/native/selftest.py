@@ -49,30 +49,17 @@ def main():
         def hybrid_forward(self, F, data, g, b, m, v):
             return ops[F](data, g, b, m, v, static_shape=True, **kwargs)
 
-    for hybridize in (False, True):
-        arrays = [mx.nd.array(a, dtype='float64') for a in (x, gamma, beta)]
-        running = [mx.nd.zeros(3, dtype='float64'), mx.nd.ones(3, dtype='float64')]
-        for a in arrays:
-            a.attach_grad()
-        layer = Layer()
-        if hybridize:
-            layer.hybridize(static_alloc=True, static_shape=True)
-        with autograd.record():
-            y = layer(*(arrays + running))
-        y.backward(mx.nd.array(w, dtype='float64'))  # a head gradient: independent of y
-        for got, want in ((y, want_y), (arrays[0].grad, want_dx), (arrays[1].grad, want_dgamma),
-                          (arrays[2].grad, w.sum(axis=(0, 2))),
-                          (running[0], 0.1 * x.mean(axis=(0, 2)))):
-            if not np.allclose(got.asnumpy(), want, rtol=1e-9, atol=1e-9):
-                sys.exit('wrong results (hybridized=%s)' % hybridize)
+    expected = (want_y, want_dx, want_dgamma, w.sum(axis=(0, 2)), 0.1 * x.mean(axis=(0, 2)),
+                0.9 + 0.1 * x.var(axis=(0, 2)))
+    check(Layer, 'the asynchronous operator', x, w, gamma, beta, expected)
     exchange = native.device_operator()
     if exchange is not None:
-        check_exchange(exchange, kwargs, x, w, gamma, beta, want_y, want_dx, want_dgamma)
+        check_exchange(exchange, kwargs, x, w, gamma, beta, expected)
     lib.gsbn_group_remove(GROUP.encode())
     print('ok')
 
 
-def check_exchange(exchange, kwargs, x, w, gamma, beta, want_y, want_dx, want_dgamma):
+def check_exchange(exchange, kwargs, x, w, gamma, beta, expected):
     """The exchange operator (the GPU path) in the graph the block builds
     around it: moments by MXNet's operators, one packed vector in and out."""
 
@@ -90,23 +77,29 @@ def check_exchange(exchange, kwargs, x, w, gamma, beta, want_y, want_dx, want_dg
             return F.broadcast_add(F.broadcast_mul(xc, F.reshape_like(scale, m1)),
                                    F.reshape_like(shift, m1))
 
+    check(Layer, 'the exchange operator', x, w, gamma, beta, expected)
+
+
+def check(layer_class, what, x, w, gamma, beta, expected):
+    """Forward and backward of ``layer_class()`` on float64 arrays, imperative
+    and in a static graph, from a head gradient ``w`` (independent of y);
+    exit naming ``what`` unless y, the gradients of x, gamma and beta and the
+    running mean and variance equal ``expected``."""
     for hybridize in (False, True):
         arrays = [mx.nd.array(a, dtype='float64') for a in (x, gamma, beta)]
         running = [mx.nd.zeros(3, dtype='float64'), mx.nd.ones(3, dtype='float64')]
         for a in arrays:
             a.attach_grad()
-        layer = Layer()
+        layer = layer_class()
         if hybridize:
             layer.hybridize(static_alloc=True, static_shape=True)
         with autograd.record():
             y = layer(*(arrays + running))
         y.backward(mx.nd.array(w, dtype='float64'))
-        for got, want in ((y, want_y), (arrays[0].grad, want_dx), (arrays[1].grad, want_dgamma),
-                          (arrays[2].grad, w.sum(axis=(0, 2))),
-                          (running[0], 0.1 * x.mean(axis=(0, 2))),
-                          (running[1], 0.9 + 0.1 * x.var(axis=(0, 2)))):
+        results = [y] + [a.grad for a in arrays] + running
+        for got, want in zip(results, expected):
             if not np.allclose(got.asnumpy(), want, rtol=1e-9, atol=1e-9):
-                sys.exit('wrong results from the exchange operator (hybridized=%s)' % hybridize)
+                sys.exit('wrong results from %s (hybridized=%s)' % (what, hybridize))
 
 
 if __name__ == '__main__':
