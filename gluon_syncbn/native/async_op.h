@@ -115,18 +115,26 @@ mxnet::Engine::VarHandle layer_variable(const std::string& group_id, int device)
   return var;
 }
 
+// The instance of a graph node on context `ctx`: its arguments, its layer's
+// group and this device's place in it, the step it is issued in.
+Op node_op(const nnvm::NodeAttrs& attrs, const mxnet::Context& ctx) {
+  Op op;
+  op.params = node_params(attrs);
+  std::string error;
+  op.group = find_group(op.params.group_id, &error);
+  CHECK(op.group) << error;
+  const std::string kind = ctx.dev_type == mxnet::Context::kGPU ? "gpu(" : "cpu(";
+  op.device = device_index(*op.group, kind + std::to_string(ctx.dev_id) + ")", &error);
+  CHECK_GE(op.device, 0) << error;
+  op.token = issue_token();
+  return op;
+}
+
 mxnet::OpStatePtr async_create_state(const nnvm::NodeAttrs& attrs, mxnet::Context ctx,
                                      const mxnet::ShapeVector&, const std::vector<int>&) {
   auto* state = new AsyncState();
   state->dev_id = ctx.dev_id;
-  state->op.params = node_params(attrs);
-  std::string error;
-  state->op.group = find_group(state->op.params.group_id, &error);
-  CHECK(state->op.group) << error;
-  state->op.device = device_index(*state->op.group, "cpu(" + std::to_string(ctx.dev_id) + ")",
-                                  &error);
-  CHECK_GE(state->op.device, 0) << error;
-  state->op.token = issue_token();
+  state->op = node_op(attrs, ctx);
   return make_state(state, layer_variable(state->op.params.group_id, state->op.device));
 }
 
@@ -255,8 +263,8 @@ bool async_infer_type(const nnvm::NodeAttrs& attrs, std::vector<int>* in,
                       std::vector<int>* out) {
   const int data = (*in)[0];
   if (data < 0) return false;
-  const std::string problem = dtype_problem(layer_name(node_params(attrs)), "its input", data);
-  CHECK(problem.empty()) << problem;
+  if (!is_float(data))  // the layer's name only then: this runs at every imperative call
+    LOG(FATAL) << dtype_problem(layer_name(node_params(attrs)), "its input", data);
   const int param = (*in)[1] >= 0 ? (*in)[1] : kFloat32;
   for (int i = 1; i < 5; ++i) (*in)[i] = param;
   (*out)[0] = data;

@@ -161,15 +161,7 @@ mxnet::OpStatePtr exchange_create_state(const nnvm::NodeAttrs& attrs, mxnet::Con
                                         const mxnet::ShapeVector&, const std::vector<int>&) {
   auto* state = new ExchangeState();
   state->dev_id = ctx.dev_id;
-  state->op.params = node_params(attrs);
-  std::string error;
-  state->op.group = find_group(state->op.params.group_id, &error);
-  CHECK(state->op.group) << error;
-  const std::string kind = ctx.dev_type == mxnet::Context::kGPU ? "gpu(" : "cpu(";
-  state->op.device = device_index(*state->op.group, kind + std::to_string(ctx.dev_id) + ")",
-                                  &error);
-  CHECK_GE(state->op.device, 0) << error;
-  state->op.token = issue_token();
+  state->op = node_op(attrs, ctx);
   return make_state(state, layer_variable(state->op.params.group_id, state->op.device));
 }
 
