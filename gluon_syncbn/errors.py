@@ -1,10 +1,9 @@
 """Exceptions raised by gluon_syncbn, and the record of recent failures.
 
-MXNet runs custom operators on its own threads. An exception raised there is
-printed to stdout and replaced, at the next synchronization point, by a generic
-``MXNetError: Check failed: ... callbacks[kCustomOpForward]``. Every failure is
-therefore recorded here; :mod:`gluon_syncbn.hooks` appends it to the text of
-that ``MXNetError``.
+MXNet runs custom operators on its own threads, and the error a failed call
+raises at the next synchronization point is MXNet's own text, not ours (see
+``mxnet_private``, "Failures"). Every failure is therefore recorded here;
+:mod:`gluon_syncbn.hooks` adds it to the text of that ``MXNetError``.
 """
 import collections
 import threading
@@ -46,8 +45,15 @@ def add_failure_source(source):
 def record_failure(exc):
     """Remember ``exc`` so the next custom-op ``MXNetError`` can carry its text."""
     with _recent_lock:
-        if all(str(e) != str(exc) for e in _recent):
-            _recent.append(exc)
+        for earlier in [e for e in _recent if str(e) == str(exc)]:
+            _recent.remove(earlier)
+        _recent.append(exc)
+
+
+def last_failure():
+    """The failure recorded last (kept), or None."""
+    with _recent_lock:
+        return _recent[-1] if _recent else None
 
 
 def take_failures():

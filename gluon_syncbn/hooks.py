@@ -1,7 +1,8 @@
 """Where gluon_syncbn hooks into MXNet; each hook is narrow and idempotent.
 
 * ``MXNetError`` raised for a failed custom operator carries only MXNet's
-  generic check text; we append the SyncBatchNorm failure that caused it. A
+  text (see ``mxnet_private``, "Failures"); we add the SyncBatchNorm failure
+  that caused it. A
   wrong channel count in a hybridized graph fails MXNet's shape check of our
   centring convolution; we append which layer and the fix.
 * Entering the outermost ``autograd.record()`` (or ``train_mode()``) scope
@@ -32,8 +33,8 @@ import atexit
 import re
 import threading
 
-from .errors import SyncBatchNormError, take_failures
-from .mxnet_private import dtype_name
+from .errors import SyncBatchNormError, last_failure, take_failures
+from .mxnet_private import FAILED_CALL_TEXT, dtype_name
 
 __all__ = ['CENTER_OP', 'install_error_text_hook', 'install_record_abort_hook',
            'install_exit_abort_hook', 'install_cached_op_hook', 'install_trainer_hook',
@@ -52,6 +53,9 @@ _CENTER_SHAPE_ERROR = re.compile(
 
 def _causes(message):
     """What gluon_syncbn knows about the failure an MXNetError reports, or ''."""
+    if FAILED_CALL_TEXT in message:  # a call failed by mxnet_private.fail_custom_call
+        failure = last_failure()
+        return '%s: %s' % (type(failure).__name__, failure) if failure else ''
     if any(m in message for m in _CUSTOM_OP_MARKERS):
         return '\n'.join('%s: %s' % (type(e).__name__, e) for e in take_failures())
     wrong_channels = _CENTER_SHAPE_ERROR.search(message)

@@ -32,12 +32,22 @@ Raw memory
       wait only for their own fresh engine variables (``native/arrays.h``).
 
 Failures
-    * A callback returns non-zero for success; a failed one makes MXNet raise a
-      generic ``Check failed ... kCustomOpForward`` error. ``hooks`` appends our
-      cause to ``MXNetError`` (a patch of its ``__init__``).
-    * The custom-operator runtime keeps a failed call's exception in one
-      process-wide slot; simultaneous failures can swap it
-      (``native/session.h``: ``failed_call`` spaces them).
+    * A custom-operator callback that fails (returns 0, or raises in Python)
+      leaves its exception in the custom-operator runtime's one process-wide
+      slot (``custom-inl.h``, ``CustomOperator::exception_``), which the next
+      custom operator to complete takes, without a lock: when several devices'
+      calls fail together, some complete as if they had succeeded (their
+      outputs unwritten) and two writes can free the slot twice. But a custom
+      operator completes by rethrowing any exception on the engine variables
+      of its callback's arrays (``Engine::Throw``), so a failed call makes an
+      engine operation fail on one of them and returns success:
+      :func:`fail_custom_call` (a ``take`` in ``raise`` mode, whose check fails
+      at run time) and ``native/operator.h`` ``failed_call`` (an operation
+      completed with the error, through ``MXEnginePushAsyncND``).
+    * MXNet's text for such a failure is its own (:data:`FAILED_CALL_TEXT`, or
+      ``Check failed ... kCustomOpProp`` for a property callback that fails on
+      the main thread). ``hooks`` adds our cause to ``MXNetError`` (a patch of
+      its ``__init__``).
     * A failed call leaves its exception on the arrays it writes until someone
       waits on them (``registry.Session.clear_failed_arrays``).
 
@@ -121,6 +131,20 @@ def host_view(arr):
     size = int(np.prod(arr.shape))
     buf = (ctypes.c_char * (size * dtype.itemsize)).from_address(ptr.value)
     return np.frombuffer(buf, dtype=dtype).reshape(arr.shape)
+
+
+# What MXNet's error says when fail_custom_call's operation fails.
+FAILED_CALL_TEXT = 'take operator contains indices out of bound'
+
+
+def fail_custom_call(arr):
+    """Fail the custom-operator call that got ``arr`` (one of its callback's
+    arrays), and that call alone: the cause goes to ``errors.record_failure``
+    first, and the callback then returns normally."""
+    import mxnet as mx
+    source = mx.nd.zeros((1,), ctx=arr.context, dtype=arr.dtype)
+    out_of_bounds = mx.nd.ones(arr.shape, ctx=arr.context)
+    mx.nd.take(source, out_of_bounds, mode='raise', out=arr)
 
 
 def operator_functions(op_name):

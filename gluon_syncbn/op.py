@@ -24,7 +24,7 @@ from mxnet.ndarray.ndarray import _DTYPE_MX_TO_NP
 
 from . import stats, wire
 from .errors import SyncBatchNormError, record_failure
-from .mxnet_private import host_view
+from .mxnet_private import fail_custom_call, host_view
 from .registry import SESSION, get_group
 
 OP_TYPE = '_gluon_syncbn'
@@ -92,11 +92,21 @@ class SyncBatchNormOp(mx.operator.CustomOp):
         # operators once, at the first call, so there it means nothing.
         self.token = None if static_shape else SESSION.issue_token()
 
-    def _fail(self, exc):
-        record_failure(exc)
-        raise exc
-
     def forward(self, is_train, req, in_data, out_data, aux):
+        try:
+            self._forward(is_train, req, in_data, out_data, aux)
+        except Exception as exc:  # pylint: disable=broad-except
+            record_failure(exc)
+            fail_custom_call(in_data[0])
+
+    def backward(self, req, out_grad, in_data, out_data, in_grad, aux):
+        try:
+            self._backward(req, out_grad, in_data, out_data, in_grad, aux)
+        except Exception as exc:  # pylint: disable=broad-except
+            record_failure(exc)
+            fail_custom_call(in_grad[0])
+
+    def _forward(self, is_train, req, in_data, out_data, aux):
         m1 = _read(in_data[0])
         count = _count(in_data[3], m1.size)
         m2, v = (_read_rows(a, m1.size, count, self.row_sums) for a in in_data[1:3])
@@ -138,13 +148,13 @@ class SyncBatchNormOp(mx.operator.CustomOp):
         _write(aux[0], 'write', _read(aux[0]) * mom + mean * (1.0 - mom), self.in_place)
         _write(aux[1], 'write', _read(aux[1]) * mom + var * (1.0 - mom), self.in_place)
 
-    def backward(self, req, out_grad, in_data, out_data, in_grad, aux):
+    def _backward(self, req, out_grad, in_data, out_data, in_grad, aux):
         token, call, n, mean, var = wire.unpack_info(_read(out_data[2]))
         channels = mean.size
         if call < 0:
-            self._fail(SyncBatchNormError(
+            raise SyncBatchNormError(
                 "SyncBatchNorm '%s': backward through a call made in inference mode; record "
-                "the forward pass under autograd.record() (train_mode=True)." % self.group.name))
+                "the forward pass under autograd.record() (train_mode=True)." % self.group.name)
         m1 = _read(in_data[0])
         count = _count(in_data[3], channels)
         gamma = np.ones_like(m1) if self.fix_gamma else _read(in_data[4])

@@ -746,6 +746,36 @@ def user_code_raises(num_devices=3, hybridize=False, timeout_seconds=60.0, seed=
 
 
 @scenario
+def abandoned_steps(num_devices=4, steps=10, hybridize=False, seed=0):
+    """Steps abandoned after all devices but the last were issued, so their
+    calls fail together; each device's output is then read on its own, the
+    main thread running ahead. Every one must raise, naming the layer."""
+    rng = np.random.RandomState(seed)
+    ctxs = contexts(num_devices)
+    shape = (num_devices, 3, 4, 4)
+    net = _fault_net(ctxs, hybridize, 60.0)
+    arrays = [mx.nd.array(rng.randn(1, 3, 4, 4), ctx=c) for c in ctxs]
+    outputs, messages = 0, []
+    for _ in range(steps):
+        outs = []
+        try:
+            with autograd.record():
+                for a in arrays:
+                    if a.context == ctxs[-1]:
+                        raise ValueError('user code failed on the last device')
+                    outs.append(net(a))
+        except ValueError:
+            pass
+        outputs += len(outs)
+        messages += [_capture(o.wait_to_read)[0] for o in outs]
+        _capture(mx.nd.waitall)
+    return {'outputs': outputs, 'raised': sum(m is not None for m in messages),
+            'named': sum(m is not None and "SyncBatchNorm 'syncbatchnorm" in m
+                         for m in messages),
+            'recovered': _recovery_error(net, ctxs, rng, shape)}
+
+
+@scenario
 def misconfigured(problem, hybridize=False):
     """Errors raised before any synchronization: the message and how fast."""
     ctxs = contexts(2)

@@ -78,20 +78,27 @@ def test_a_failed_self_test_keeps_to_the_custom_operator(tmp_path):
     assert 'RuntimeWarning' not in quiet.stderr, quiet.stderr[-2000:]
 
 
-def test_device_path_takes_the_exchange_operator_and_its_fallback(tmp_path):
-    # The GPU path (on CPU contexts): the exchange operator where the self-test
-    # passed, the custom device operator where it failed; both exact.
+def test_device_path_takes_the_exchange_operator_when_asked_and_its_fallback(tmp_path):
+    # The GPU path (on CPU contexts): the custom device operator by default;
+    # the exchange operator when asked for and the self-test passed, the
+    # device operator where it failed; all exact.
     code = TWO_DEVICE_STEP + (
         "from gluon_syncbn import native\n"
         "print('EXCHANGE', native.device_operator() is not None)\n")
-    first = python(code, GLUON_SYNCBN_CACHE=str(tmp_path), GLUON_SYNCBN_DEVICE_PATH='1')
+    default = python(code, GLUON_SYNCBN_CACHE=str(tmp_path), GLUON_SYNCBN_DEVICE_PATH='1')
+    assert reported(default, 'OPERATOR') == 'device'
+    assert reported(default, 'EXCHANGE') == 'False'
+    assert float(reported(default, 'ERROR')) < 1e-5
+    first = python(code, GLUON_SYNCBN_CACHE=str(tmp_path), GLUON_SYNCBN_DEVICE_PATH='1',
+                   GLUON_SYNCBN_EXCHANGE='1')
     assert reported(first, 'OPERATOR') == 'device'
     assert reported(first, 'EXCHANGE') == 'True'
     assert float(reported(first, 'ERROR')) < 1e-5
     folder = tmp_path / os.listdir(tmp_path)[0]
     marker = [folder / name for name in os.listdir(folder) if name.endswith('.selftest')][0]
     marker.write_text('exit -11: simulated')
-    out = python(code, GLUON_SYNCBN_CACHE=str(tmp_path), GLUON_SYNCBN_DEVICE_PATH='1')
+    out = python(code, GLUON_SYNCBN_CACHE=str(tmp_path), GLUON_SYNCBN_DEVICE_PATH='1',
+                 GLUON_SYNCBN_EXCHANGE='1')
     assert reported(out, 'OPERATOR') == 'device'
     assert reported(out, 'EXCHANGE') == 'False'
     assert float(reported(out, 'ERROR')) < 1e-5

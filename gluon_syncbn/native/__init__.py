@@ -8,18 +8,21 @@ Three operators:
   with no thread waiting and no custom-operator hand-off (6-8x cheaper per call);
 * the host operator (``host_op.h``), CPU contexts: the same call as a custom
   operator (MXNet's C API), where the asynchronous one is unavailable;
-* the exchange operator (``exchange_op.h``), GPUs: the synchronization step on
-  the packed per-channel vector, an asynchronous operator of MXNet's own kind
-  (cpu and gpu) that only issues MXNet's engine copies, no thread waiting;
-* the device operator (``device_op.h``), GPUs where the exchange operator is
-  unavailable: the same step as a custom operator, with synchronous copies.
+* the device operator (``device_op.h``), GPUs: the synchronization step on
+  per-channel vectors as a custom operator, with synchronous copies;
+* the exchange operator (``exchange_op.h``), GPUs, opt-in
+  (``GLUON_SYNCBN_EXCHANGE=1``): the same step on the packed per-channel
+  vector, an asynchronous operator of MXNet's own kind (cpu and gpu) that only
+  issues MXNet's engine copies, no thread waiting. Not the default: it has
+  never run on a GPU, and on CPU contexts about 1 in 10 runs of ten abandoned
+  steps crashes or hangs (docs/findings.md).
 
 The asynchronous operator relies on the C++ ABI of the libmxnet.so it was
 built against (``mxnet_abi.h``); a self-test in a subprocess checks it once
 per build (``selftest.py``, its verdict in ``<library>.selftest``), and the
 host operator is used if it fails. ``GLUON_SYNCBN_ASYNC=0`` turns it off.
 The exchange operator relies on the same ABI and self-test (the device
-operator is used if it fails); ``GLUON_SYNCBN_EXCHANGE=0`` turns it off.
+operator is used if it fails).
 
 ``GLUON_SYNCBN_OPERATOR`` selects the implementation within one process:
 
@@ -218,9 +221,9 @@ def load():
                 from ..mxnet_private import operator_functions
                 _state['async'] = operator_functions(ASYNC_OP)
                 # The one place the GPU path's operator is chosen: the
-                # exchange operator where the self-test passed (it covers
-                # both), else the custom device operator (device_operator()).
-                if (os.environ.get(EXCHANGE_VARIABLE, '1') != '0'
+                # exchange operator if asked for and the self-test passed (it
+                # covers both), else the custom device operator.
+                if (os.environ.get(EXCHANGE_VARIABLE, '0') == '1'
                         and lib.gsbn_register_exchange() == 0):
                     _state['exchange'] = operator_functions(EXCHANGE_OP)
         except (NativeUnavailable, OSError) as exc:
@@ -251,7 +254,8 @@ def _async_works(path):
         try:
             proc = subprocess.run([sys.executable, '-m', 'gluon_syncbn.native.selftest'],
                                   capture_output=True, text=True, timeout=SELFTEST_SECONDS,
-                                  env=dict(os.environ, GLUON_SYNCBN_SELFTEST='1'))
+                                  env=dict(os.environ, GLUON_SYNCBN_SELFTEST='1',
+                                           **{EXCHANGE_VARIABLE: '1'}))
             verdict = 'ok' if proc.returncode == 0 and 'ok' in proc.stdout else (
                 'exit %d: %s' % (proc.returncode, (proc.stderr or proc.stdout)[-500:]))
         except subprocess.TimeoutExpired:

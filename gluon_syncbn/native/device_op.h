@@ -133,9 +133,9 @@ void backward_moments(const Info& stats, const std::vector<double>& m1,
   }
 }
 
-int copy_failed(const Group& g, const std::string& error) {
-  return failed_call(), fail("SyncBatchNormError", "SyncBatchNorm '" + g.name +
-                             "': copying the statistics failed: " + error);
+int copy_failed(const Handles& h, const Group& g, const std::string& error) {
+  return failed_call(h, "SyncBatchNorm '" + g.name + "': copying the statistics failed: " +
+                            error);
 }
 
 int device_forward(int size, void** ptrs, int* tags, const int* req, const int is_train,
@@ -154,7 +154,7 @@ int device_forward(int size, void** ptrs, int* tags, const int* req, const int i
                     {in[kShape], &shape}, {in[kGamma], &gamma}, {in[kBeta], &beta}}, &error) ||
       ((!is_train || !ordered) &&
        !read_copies({{h.by_tag[kAux][0], &rmean}, {h.by_tag[kAux][1], &rvar}}, &error)))
-    return copy_failed(g, error);
+    return copy_failed(h, g, error);
   const size_t C = m1.size();
   const double count = sample_count(shape, C);
   Info stats;
@@ -164,7 +164,7 @@ int device_forward(int size, void** ptrs, int* tags, const int* req, const int i
   } else {
     std::vector<double> mean, var;
     device_moments(p, m1, m2_rows, v_rows, count, &mean, &var);
-    if (!exchange_forward(op, count, mean, var, &stats)) return failed_call();
+    if (!exchange_forward(op, count, mean, var, &stats, &error)) return failed_call(h, error);
     bool ok;
     if (ordered) {
       // Read-only auxiliary states (see host_op.h): the update goes to the
@@ -181,7 +181,7 @@ int device_forward(int size, void** ptrs, int* tags, const int* req, const int i
       ok = write_copy(h.by_tag[kAux][0], rmean, 1, &error) &&
            write_copy(h.by_tag[kAux][1], rvar, 1, &error);
     }
-    if (!ok) return copy_failed(g, error);
+    if (!ok) return copy_failed(h, g, error);
   }
   std::vector<double> scale, shift;
   scale_shift(p, stats, m1, gamma, beta, &scale, &shift);
@@ -189,7 +189,7 @@ int device_forward(int size, void** ptrs, int* tags, const int* req, const int i
   if (!write_copy(out[kScale], scale, req[kScale], &error) ||
       !write_copy(out[kShift], shift, req[kShift], &error) ||
       !write_copy(out[kInfo], pack_info(stats), req[kInfo], &error))
-    return copy_failed(g, error);
+    return copy_failed(h, g, error);
   return 1;
 }
 
@@ -220,7 +220,7 @@ int device_backward(int size, void** ptrs, int* tags, const int* req, const int,
                     {in[kShape], &shape}, {in[kGamma], &gamma},
                     {h.by_tag[kOutGrad][kScale], &d_scale},
                     {h.by_tag[kOutGrad][kShift], &d_shift}}, &error))
-    return copy_failed(g, error);
+    return copy_failed(h, g, error);
   const Info stats = unpack_info(packed);
   const size_t C = m1.size();
   const double count = sample_count(shape, C);
@@ -228,7 +228,8 @@ int device_backward(int size, void** ptrs, int* tags, const int* req, const int,
   backward_local(p, stats, m1, count, &gamma, &d_scale, &d_shift, &inv_std, &sum_dy_xc,
                  &d_gamma);
   std::vector<double> total;
-  if (!exchange_backward(op, stats, d_shift, sum_dy_xc, &total)) return failed_call();
+  if (!exchange_backward(op, stats, d_shift, sum_dy_xc, &total, &error))
+    return failed_call(h, error);
   std::vector<double> d_m2, d_v;
   backward_moments(stats, m1, gamma, inv_std, total, count, &d_m2, &d_v);
   const std::vector<double> zeros_mean(C, 0.0), zeros_shape(shape.size(), 0.0);
@@ -241,7 +242,7 @@ int device_backward(int size, void** ptrs, int* tags, const int* req, const int,
       !write_copy(grads[kShape], zeros_shape, req[kShape], &error) ||
       !write_copy(grads[kGamma], d_gamma, req[kGamma], &error) ||
       !write_copy(grads[kBeta], d_shift, req[kBeta], &error))  // d beta = sum dy
-    return copy_failed(g, error);
+    return copy_failed(h, g, error);
   return 1;
 }
 

@@ -58,17 +58,17 @@ int host_forward(int size, void** ptrs, int* tags, const int* req, const int is_
     stats = running_statistics(rmean, rvar);
   } else {
     std::vector<double> mean, var;
+    std::string error;
     const double count = local_moments(l, x, &mean, &var);
-    if (!exchange_forward(op, count, mean, var, &stats)) return failed_call();
+    if (!exchange_forward(op, count, mean, var, &stats, &error)) return failed_call(h, error);
     if (p.static_shape && g.running.size() == g.devices.size()) {
       auto* u = new RunningUpdate{{g.running[op.device][0], g.running[op.device][1]},
                                   stats.mean, stats.var, p.momentum};
       int ctx[2] = {1, 0};  // mxnet::Context{kCPU, 0}: where the update runs
       if (MXEnginePushSyncND(run_running_update, u, delete_running_update, ctx, nullptr, 0,
                              u->arrays, 2, nullptr, 0, "gluon_syncbn_running") != 0)
-        return failed_call(), fail("SyncBatchNormError", std::string("SyncBatchNorm '") +
-                                   g.name + "': could not update the running statistics: " +
-                                   MXGetLastError());
+        return failed_call(h, "SyncBatchNorm '" + g.name +
+                              "': could not update the running statistics: " + MXGetLastError());
     } else {  // this call holds write access to its auxiliary states (or, in a
               // static graph traced before its shapes were known, the next one will)
       update_running(p, rmean, rvar, stats);
@@ -91,11 +91,10 @@ int host_backward(int size, void** ptrs, int* tags, const int* req, const int,
   Array dx = view(h.by_tag[kInGrad][0]), dgamma = view(h.by_tag[kInGrad][1]),
         dbeta = view(h.by_tag[kInGrad][2]);
   // A head gradient may have any dtype (autograd.backward does not check).
-  const std::string error = dtype_problem(op.group->name, "the gradient of its output",
-                                          dy.dtype);
+  std::string error = dtype_problem(op.group->name, "the gradient of its output", dy.dtype);
   if (!error.empty()) {
     abort_step(error);  // the other devices' backward calls would wait for this one
-    return failed_call(), fail("SyncBatchNormError", error);
+    return failed_call(h, error);
   }
   Layout l(x.shape, p.axis);
   std::vector<double> packed(info.size());
@@ -103,7 +102,8 @@ int host_backward(int size, void** ptrs, int* tags, const int* req, const int,
   const Info stats = unpack_info(packed);
   std::vector<double> sum_dy, sum_dy_xc, total;
   backward_sums(l, dy, x, stats, &sum_dy, &sum_dy_xc);
-  if (!exchange_backward(op, stats, sum_dy, sum_dy_xc, &total)) return failed_call();
+  if (!exchange_backward(op, stats, sum_dy, sum_dy_xc, &total, &error))
+    return failed_call(h, error);
   write_gradients(p, l, dy, x, gamma, stats, total, sum_dy, sum_dy_xc, dx, dgamma, dbeta, req);
   return 1;
 }

@@ -61,6 +61,35 @@ struct Handles {  // the callback's arrays by tag, freed when it returns
   ~Handles() { for (int i = 0; i < size; ++i) MXNDArrayFree(ptrs[i]); }
 };
 
+// What a forward or backward callback returns when its call failed: the
+// failure goes to this call alone. A callback that returns 0 leaves MXNet's
+// error in the custom-operator runtime's one process-wide slot (1.9.1
+// custom-inl.h, CustomOperator::exception_), which the next custom operator
+// to complete takes, unlocked: when several devices' calls fail together,
+// some complete as if they had succeeded, their outputs unwritten, and two
+// writes can free the slot twice. But a custom operator completes by
+// rethrowing any exception on its callback's arrays (Engine::Throw on each
+// one's engine variable), so the callback queues an engine operation that
+// fails writing one of them, and returns success.
+void raise_on(void*, void* on_complete, void* message) {
+  dmlc::Error e(*static_cast<std::string*>(message));
+  (*static_cast<mxnet::engine::CallbackOnComplete*>(on_complete))(&e);
+}
+
+void delete_message(void* message) { delete static_cast<std::string*>(message); }
+
+int failed_call(const Handles& h, const std::string& message) {
+  // An array MXNet checks: the inputs of a forward call, the input gradients
+  // of a backward call (which gets placeholders for undeclared inputs).
+  NDArrayHandle array = h.by_tag[kInGrad].empty() ? h.by_tag[kInData][0] : h.by_tag[kInGrad][0];
+  int ctx[2] = {1, 0};  // mxnet::Context{kCPU, 0}: where the failing operation runs
+  auto* text = new std::string(message);
+  if (MXEnginePushAsyncND(raise_on, text, delete_message, ctx, nullptr, 0, &array, 1, nullptr,
+                          0, "gluon_syncbn_failed_call", false) == 0)
+    return 1;
+  return fail("SyncBatchNormError", message);  // MXNet's slot, as a last resort
+}
+
 // Why a backward call cannot be: its forward ran in inference mode.
 std::string inference_backward(const std::string& layer) {
   return "SyncBatchNorm '" + layer + "': backward through a call made in inference mode; "
@@ -69,17 +98,16 @@ std::string inference_backward(const std::string& layer) {
 
 // The forward exchange of one call: numbers it, sums the devices' FORWARD
 // vectors, and fills `stats` with the group's statistics and the call's step
-// and number. False (error recorded) if the call failed.
+// and number. False, with `error` set, if the call failed.
 bool exchange_forward(const Op& op, double count, const std::vector<double>& mean,
-                      const std::vector<double>& var, Info* stats) {
+                      const std::vector<double>& var, Info* stats, std::string* error) {
   uint64_t token;
   int64_t call;
   std::vector<double> total;
-  std::string error;
   if (!number_call(*op.group, op.device, op.params.static_shape, op.token, &token, &call,
-                   &error) ||
+                   error) ||
       !exchange(*op.group, Key(0, token, call), op.device, pack_forward(count, mean, var),
-                op.params.dtype_name, &total, &error))
+                op.params.dtype_name, &total, error))
     return false;
   unpack_forward(total, &stats->n, &stats->mean, &stats->var);
   stats->token = static_cast<double>(token);
@@ -88,20 +116,20 @@ bool exchange_forward(const Op& op, double count, const std::vector<double>& mea
 }
 
 // The backward exchange of the call `stats` (its INFO) describes: sums the
-// devices' BACKWARD vectors into `total`. False (error recorded) if the call
+// devices' BACKWARD vectors into `total`. False, with `error` set, if the call
 // was made in inference mode, belongs to a failed step, or the exchange failed.
 bool exchange_backward(const Op& op, const Info& stats, const std::vector<double>& sum_dy,
-                       const std::vector<double>& sum_dy_xc, std::vector<double>* total) {
+                       const std::vector<double>& sum_dy_xc, std::vector<double>* total,
+                       std::string* error) {
   if (stats.call < 0) {
-    fail("SyncBatchNormError", inference_backward(op.group->name));
+    *error = inference_backward(op.group->name);
     return false;
   }
-  std::string error;
-  return backward_current(*op.group, op.params.static_shape, op.token, &error) &&
+  return backward_current(*op.group, op.params.static_shape, op.token, error) &&
          exchange(*op.group, Key(1, static_cast<uint64_t>(stats.token),
                                  static_cast<int64_t>(stats.call)),
                   op.device, pack_backward(sum_dy, sum_dy_xc), op.params.dtype_name, total,
-                  &error);
+                  error);
 }
 
 typedef int (*FBFunc)(int, void**, int*, const int*, const int, void*);

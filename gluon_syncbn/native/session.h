@@ -367,23 +367,6 @@ int fail(const std::string& kind, const std::string& message) {
   return 0;  // MXNet raises its generic custom-op error; Python appends ours
 }
 
-// What a forward/backward callback returns when its call failed. MXNet 1.9.1
-// keeps a failed custom operator's exception in one process-wide slot until
-// an engine operation rethrows it, so two failures at the same moment can
-// swap or lose their errors (and one can land on a healthy call). Failing
-// calls of one step arrive together; spacing their returns 100 ms apart lets
-// each error reach its own operation first (20 ms was not enough on a loaded
-// 2-core machine).
-int failed_call() {
-  static std::mutex spacing;
-  static auto last = std::chrono::steady_clock::time_point();
-  std::lock_guard<std::mutex> lock(spacing);
-  auto next = last + std::chrono::milliseconds(100);
-  if (std::chrono::steady_clock::now() < next) std::this_thread::sleep_until(next);
-  last = std::chrono::steady_clock::now();
-  return 0;
-}
-
 std::shared_ptr<Group> find_group(const std::string& id, std::string* error) {
   std::lock_guard<std::mutex> lock(g_mutex);
   auto it = g_groups.find(id);
