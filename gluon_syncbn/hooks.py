@@ -1,8 +1,8 @@
 """Where gluon_syncbn hooks into MXNet; each hook is narrow and idempotent.
 
 * ``MXNetError`` raised for a failed custom operator carries only MXNet's
-  text (see ``mxnet_private``, "Failures"); we add the SyncBatchNorm failure
-  that caused it. A
+  text (see ``mxnet_private``, "Failures"); we put the SyncBatchNorm failure
+  that caused it in its place, or after it. A
   wrong channel count in a hybridized graph fails MXNet's shape check of our
   centring convolution; we append which layer and the fix.
 * Entering the outermost ``autograd.record()`` (or ``train_mode()``) scope
@@ -53,9 +53,6 @@ _CENTER_SHAPE_ERROR = re.compile(
 
 def _causes(message):
     """What gluon_syncbn knows about the failure an MXNetError reports, or ''."""
-    if FAILED_CALL_TEXT in message:  # a call failed by mxnet_private.fail_custom_call
-        failure = last_failure()
-        return '%s: %s' % (type(failure).__name__, failure) if failure else ''
     if any(m in message for m in _CUSTOM_OP_MARKERS):
         return '\n'.join('%s: %s' % (type(e).__name__, e) for e in take_failures())
     wrong_channels = _CENTER_SHAPE_ERROR.search(message)
@@ -74,9 +71,14 @@ def install_error_text_hook(mxnet_error_class):
     original_init = mxnet_error_class.__init__
 
     def __init__(self, *args, **kwargs):
-        causes = _causes(args[0]) if args and isinstance(args[0], str) else ''
-        if causes:
-            args = (args[0] + '\n\nCaused by (gluon_syncbn):\n' + causes,) + args[1:]
+        message = args[0] if args and isinstance(args[0], str) else ''
+        failure = last_failure() if FAILED_CALL_TEXT in message else None
+        if failure is not None:  # mxnet_private.fail_custom_call's: MXNet's text says nothing
+            args = ('%s: %s' % (type(failure).__name__, failure),) + args[1:]
+        else:
+            causes = _causes(message)
+            if causes:
+                args = (message + '\n\nCaused by (gluon_syncbn):\n' + causes,) + args[1:]
         original_init(self, *args, **kwargs)
 
     mxnet_error_class.__init__ = __init__

@@ -46,8 +46,10 @@ Failures
       completed with the error, through ``MXEnginePushAsyncND``).
     * MXNet's text for such a failure is its own (:data:`FAILED_CALL_TEXT`, or
       ``Check failed ... kCustomOpProp`` for a property callback that fails on
-      the main thread). ``hooks`` adds our cause to ``MXNetError`` (a patch of
-      its ``__init__``).
+      the main thread). ``hooks`` puts our cause in its place or after it in
+      ``MXNetError`` (a patch of its ``__init__``). A ``take`` of the user's own
+      that fails in ``raise`` mode would read as the last SyncBatchNorm
+      failure, if there was one.
     * A failed call leaves its exception on the arrays it writes until someone
       waits on them (``registry.Session.clear_failed_arrays``).
 

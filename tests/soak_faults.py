@@ -66,6 +66,13 @@ def check_all_empty(r):
         ('next step exact', r['recovered'] < RECOVERED)])
 
 
+def check_abandoned(r):
+    return _problems([
+        ("every device's output raised", r['raised'] == r['outputs']),
+        ('layer named', r['named'] == r['outputs']),
+        ('next step exact', r['recovered'] < RECOVERED)])
+
+
 # id: (scenario, kwargs, check): the fault cases of test_faults.py and
 # test_empty_slices.py that synchronize (the others fail before any call).
 CASES = {}
@@ -82,6 +89,8 @@ for _hybridize in (False, True):
             check_bad_input(_expected))
     CASES['user_code_raises-' + _mode] = (
         'user_code_raises', dict(hybridize=_hybridize, timeout_seconds=60.0), check_user_code)
+    CASES['abandoned_steps-' + _mode] = (
+        'abandoned_steps', dict(hybridize=_hybridize), check_abandoned)
     CASES['all_empty-' + _mode] = (
         'empty_slices', dict(empty=[0, 1, 2], hybridize=_hybridize), check_all_empty)
 
