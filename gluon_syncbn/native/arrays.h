@@ -105,6 +105,7 @@ void put(const Array& a, int64_t i, double v, int req) {
 // The (outer, C, inner) view of an array around the channel axis.
 struct Layout {
   int64_t outer = 1, channels = 1, inner = 1;
+  Layout() {}
   Layout(const std::vector<int64_t>& shape, int axis) {
     if (axis < 0) axis += static_cast<int>(shape.size());
     for (int i = 0; i < static_cast<int>(shape.size()); ++i)

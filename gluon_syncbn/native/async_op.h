@@ -138,6 +138,51 @@ mxnet::OpStatePtr async_create_state(const nnvm::NodeAttrs& attrs, mxnet::Contex
   return make_state(state, layer_variable(state->op.params.group_id, state->op.device));
 }
 
+// What a call needs once its exchange is done, whichever thread finishes it:
+// one allocation per call, shared by its continuations. The state (and its
+// parameters) outlives the call: MXNet holds it until the call completes.
+struct Call {
+  AsyncState* state;
+  std::vector<mxnet::NDArray> keep;  // alive (x's reordered copy with them) till completion
+  Layout l;
+  mxnet::engine::CallbackOnComplete on_complete;
+  std::thread::id issuer;  // the thread that issued the call (see finish_on)
+};
+
+struct ForwardCall : Call {
+  Array x, gamma, beta, rmean, rvar, y;
+  int write;
+  uint64_t token;
+  int64_t call;
+};
+
+struct BackwardCall : Call {
+  Array dy, x, gamma, dx, dgamma, dbeta;
+  std::array<int, 3> reqs;
+  Info stats;
+  std::vector<double> sum_dy, sum_dy_xc;
+};
+
+// After the forward exchange: the running statistics and y.
+void finish_forward(const ForwardCall& c, const std::vector<double>& total) {
+  const Params& p = c.state->op.params;
+  Info stats;
+  unpack_forward(total, &stats.n, &stats.mean, &stats.var);
+  stats.token = static_cast<double>(c.token);
+  stats.call = static_cast<double>(c.call);
+  update_running(p, c.rmean, c.rvar, stats);  // mutable inputs: ours to write
+  normalize(p, c.l, c.x, c.gamma, c.beta, stats, c.y, c.write);
+  c.state->stats = stats;
+  complete(c.on_complete, "");
+}
+
+// After the backward exchange: dx, d gamma and d beta.
+void finish_backward(const BackwardCall& c, const std::vector<double>& total) {
+  write_gradients(c.state->op.params, c.l, c.dy, c.x, c.gamma, c.stats, total, c.sum_dy,
+                  c.sum_dy_xc, c.dx, c.dgamma, c.dbeta, c.reqs.data());
+  complete(c.on_complete, "");
+}
+
 void async_forward(const mxnet::OpStatePtr& state_ptr, const mxnet::OpContext& ctx,
                    const std::vector<mxnet::NDArray>& in, const std::vector<mxnet::OpReqType>& req,
                    const std::vector<mxnet::NDArray>& out) {
@@ -145,45 +190,38 @@ void async_forward(const mxnet::OpStatePtr& state_ptr, const mxnet::OpContext& c
   const Op& op = state.op;
   const Params& p = op.params;
   const mxnet::NDArray x_nd = plain(in[0]);
-  Array x = array_of(x_nd), gamma = array_of(in[1]), beta = array_of(in[2]);
-  Array rmean = array_of(in[3]), rvar = array_of(in[4]), y = array_of(out[0]);
-  const int write = req[0];
-  const Layout l(x.shape, p.axis);
+  auto c = std::make_shared<ForwardCall>();
+  c->x = array_of(x_nd);
+  c->gamma = array_of(in[1]);
+  c->beta = array_of(in[2]);
+  c->rmean = array_of(in[3]);
+  c->rvar = array_of(in[4]);
+  c->y = array_of(out[0]);
+  c->write = req[0];
+  c->l = Layout(c->x.shape, p.axis);
   if (!ctx.is_train) {  // predict mode inside a graph: the running statistics
-    normalize(p, l, x, gamma, beta, running_statistics(rmean, rvar), y, write);
+    normalize(p, c->l, c->x, c->gamma, c->beta, running_statistics(c->rmean, c->rvar), c->y,
+              c->write);
     state.stats = Info();  // call < 0: no backward through it
     ctx.async_on_complete();
     return;
   }
   std::vector<double> mean, var;
-  const double count = local_moments(l, x, &mean, &var);
-  uint64_t token;
-  int64_t call;
-  auto on_complete = ctx.async_on_complete;
+  const double count = local_moments(c->l, c->x, &mean, &var);
+  c->on_complete = ctx.async_on_complete;
   std::string error;
-  if (!number_call(*op.group, op.device, p.static_shape, op.token, &token, &call, &error))
-    return complete(on_complete, error);
-  AsyncState* s = &state;
-  // The arrays stay alive (and x's reordered copy with them) until the call
-  // completes; the engine holds every other reader and writer back till then.
-  std::vector<mxnet::NDArray> keep = {x_nd, in[1], in[2], in[3], in[4], out[0]};
-  const int dev_id = state.dev_id;
-  const std::thread::id issuer = std::this_thread::get_id();
-  auto finish = [=](const std::vector<double>& total) {
-    Info stats;
-    unpack_forward(total, &stats.n, &stats.mean, &stats.var);
-    stats.token = static_cast<double>(token);
-    stats.call = static_cast<double>(call);
-    update_running(p, rmean, rvar, stats);  // mutable inputs: ours to write
-    normalize(p, l, x, gamma, beta, stats, y, write);
-    s->stats = stats;
-    (void)keep;
-    complete(on_complete, "");
-  };
-  exchange_async(*op.group, Key(0, token, call), op.device, pack_forward(count, mean, var),
-                 p.dtype_name, [=](const std::string& error, const std::vector<double>& total) {
-    if (!error.empty()) return complete(on_complete, error);
-    finish_on(dev_id, issuer, x.size(), [=]() { finish(total); });
+  if (!number_call(*op.group, op.device, p.static_shape, op.token, &c->token, &c->call, &error))
+    return complete(c->on_complete, error);
+  c->state = &state;
+  c->keep = {x_nd, in[1], in[2], in[3], in[4], out[0]};
+  c->issuer = std::this_thread::get_id();
+  exchange_async(*op.group, Key(0, c->token, c->call), op.device,
+                 pack_forward(count, mean, var), p.dtype_name,
+                 [c](const std::string& error, const std::vector<double>& total) {
+    if (!error.empty()) return complete(c->on_complete, error);
+    finish_on(c->state->dev_id, c->issuer, c->x.size(), [c, total]() {
+      finish_forward(*c, total);
+    });
   });
 }
 
@@ -194,39 +232,37 @@ void async_backward(const mxnet::OpStatePtr& state_ptr, const mxnet::OpContext& 
   AsyncState& state = state_ptr.get_state<AsyncState>();
   const Op& op = state.op;
   const Params& p = op.params;
+  auto c = std::make_shared<BackwardCall>();
   const mxnet::NDArray dy_nd = plain(in[0]), x_nd = plain(in[1]);
-  Array dy = array_of(dy_nd), x = array_of(x_nd), gamma = array_of(in[2]);
-  Array dx = array_of(out[0]), dgamma = array_of(out[1]), dbeta = array_of(out[2]);
-  const std::array<int, 3> reqs = {req[0], req[1], req[2]};
-  auto on_complete = ctx.async_on_complete;
-  const Info stats = state.stats;
-  if (stats.call < 0) return complete(on_complete, inference_backward(op.group->name));
+  c->dy = array_of(dy_nd);
+  c->x = array_of(x_nd);
+  c->gamma = array_of(in[2]);
+  c->dx = array_of(out[0]);
+  c->dgamma = array_of(out[1]);
+  c->dbeta = array_of(out[2]);
+  c->reqs = {req[0], req[1], req[2]};
+  c->on_complete = ctx.async_on_complete;
+  c->stats = state.stats;
+  if (c->stats.call < 0) return complete(c->on_complete, inference_backward(op.group->name));
   // A head gradient may have any dtype (autograd.backward does not check).
-  std::string error = dtype_problem(op.group->name, "the gradient of its output", dy.dtype);
+  std::string error = dtype_problem(op.group->name, "the gradient of its output", c->dy.dtype);
   if (!error.empty()) {
     abort_step(error);  // the other devices' backward calls would wait for this one
-    return complete(on_complete, error);
+    return complete(c->on_complete, error);
   }
-  const Layout l(x.shape, p.axis);
-  std::vector<double> sum_dy, sum_dy_xc;
-  backward_sums(l, dy, x, stats, &sum_dy, &sum_dy_xc);
+  c->l = Layout(c->x.shape, p.axis);
+  backward_sums(c->l, c->dy, c->x, c->stats, &c->sum_dy, &c->sum_dy_xc);
   if (!backward_current(*op.group, p.static_shape, op.token, &error))
-    return complete(on_complete, error);
-  std::vector<mxnet::NDArray> keep = {dy_nd, x_nd, in[2], out[0], out[1], out[2]};
-  const int dev_id = state.dev_id;
-  const std::thread::id issuer = std::this_thread::get_id();
-  auto finish = [=](const std::vector<double>& total) {
-    write_gradients(p, l, dy, x, gamma, stats, total, sum_dy, sum_dy_xc, dx, dgamma, dbeta,
-                    reqs.data());
-    (void)keep;
-    complete(on_complete, "");
-  };
-  exchange_async(*op.group, Key(1, static_cast<uint64_t>(stats.token),
-                                static_cast<int64_t>(stats.call)),
-                 op.device, pack_backward(sum_dy, sum_dy_xc), p.dtype_name,
-                 [=](const std::string& error, const std::vector<double>& total) {
-    if (!error.empty()) return complete(on_complete, error);
-    finish_on(dev_id, issuer, x.size(), [=]() { finish(total); });
+    return complete(c->on_complete, error);
+  c->state = &state;
+  c->keep = {dy_nd, x_nd, in[2], out[0], out[1], out[2]};
+  c->issuer = std::this_thread::get_id();
+  exchange_async(*op.group, Key(1, static_cast<uint64_t>(c->stats.token),
+                                static_cast<int64_t>(c->stats.call)),
+                 op.device, pack_backward(c->sum_dy, c->sum_dy_xc), p.dtype_name,
+                 [c](const std::string& error, const std::vector<double>& total) {
+    if (!error.empty()) return complete(c->on_complete, error);
+    finish_on(c->state->dev_id, c->issuer, c->x.size(), [c, total]() { finish_backward(*c, total); });
   });
 }
 
