@@ -438,6 +438,14 @@ std::vector<nnvm::NodeEntry> exchange_gradient(const nnvm::ObjectPtr& node,
   return out;
 }
 
+// `fn` as `op`'s compute function on cpu, and on gpu where this libmxnet has
+// GPU operators (the GPU wheel).
+void set_compute(nnvm::Op* op, const mxnet::FStatefulComputeEx& fn) {
+  set_attr<mxnet::FStatefulComputeEx>(op, "FStatefulComputeEx<cpu>", fn);
+  if (nnvm::Op::GetAttrMap("FStatefulComputeEx<gpu>") != nullptr)
+    set_attr<mxnet::FStatefulComputeEx>(op, "FStatefulComputeEx<gpu>", fn);
+}
+
 void register_exchange_op() {
   auto* registry = dmlc::Registry<nnvm::Op>::Get();
   nnvm::Op* fwd = &registry->__REGISTER_OR_GET__(EXCHANGE_OP);
@@ -451,11 +459,7 @@ void register_exchange_op() {
   set_attr<mxnet::FInferStorageType>(fwd, "FInferStorageType", OLD_ABI(async_infer_storage));
   set_attr<mxnet::FCreateOpState>(fwd, "FCreateOpState", OLD_ABI(exchange_create_state));
   set_attr<mxnet::FExecType>(fwd, "FExecType", OLD_ABI(async_exec));
-  set_attr<mxnet::FStatefulComputeEx>(fwd, "FStatefulComputeEx<cpu>",
-                                      OLD_ABI(exchange_op_forward));
-  if (nnvm::Op::GetAttrMap("FStatefulComputeEx<gpu>") != nullptr)
-    set_attr<mxnet::FStatefulComputeEx>(fwd, "FStatefulComputeEx<gpu>",
-                                        OLD_ABI(exchange_op_forward));
+  set_compute(fwd, OLD_ABI(exchange_op_forward));
   set_attr<nnvm::FGradient>(fwd, "FGradient", OLD_ABI(exchange_gradient));
   nnvm::Op* bwd = &registry->__REGISTER_OR_GET__(EXCHANGE_BACKWARD_OP);
   bwd->set_num_inputs(1).set_num_outputs(1);
@@ -463,11 +467,7 @@ void register_exchange_op() {
   set_attr<bool>(bwd, "TIsLayerOpBackward", true);
   set_attr<mxnet::FInferStorageType>(bwd, "FInferStorageType", OLD_ABI(async_infer_storage));
   set_attr<mxnet::FExecType>(bwd, "FExecType", OLD_ABI(async_exec));
-  set_attr<mxnet::FStatefulComputeEx>(bwd, "FStatefulComputeEx<cpu>",
-                                      OLD_ABI(exchange_op_backward));
-  if (nnvm::Op::GetAttrMap("FStatefulComputeEx<gpu>") != nullptr)
-    set_attr<mxnet::FStatefulComputeEx>(bwd, "FStatefulComputeEx<gpu>",
-                                        OLD_ABI(exchange_op_backward));
+  set_compute(bwd, OLD_ABI(exchange_op_backward));
 }
 
 }  // namespace
