@@ -30,7 +30,7 @@ def run(python, cache, library_path):
         sys.exit('%s failed:\n%s%s' % (python, proc.stdout[-2000:], proc.stderr[-3000:]))
     path, async_ok = lines[0]
     if async_ok != 'True':
-        sys.exit('%s: the asynchronous operator failed its self-test (%s.selftest)' % (
+        sys.exit('%s: the asynchronous operator failed its self-test (%s.async.selftest)' % (
             python, path))
     return path
 
@@ -47,13 +47,13 @@ def main(cpu_python, gpu_python):
         if first[0] == first[1]:
             sys.exit('both environments loaded %s' % first[0])
         files = built(cache)
-        expected = sorted(first + [p + '.selftest' for p in first])
+        expected = sorted(first + [p + '.async.selftest' for p in first])
         if files != expected:
             sys.exit('the cache holds %s, not %s' % (files, expected))
         for path in first:
-            with open(path + '.selftest') as f:
+            with open(path + '.async.selftest') as f:
                 if f.read() != 'ok':
-                    sys.exit('%s.selftest is not ok' % path)
+                    sys.exit('%s.async.selftest is not ok' % path)
         again = [run(python, cache, extra) for python, extra in environments]
         if again != first or built(cache) != files:
             sys.exit('the second run did not reuse its own build: %s, %s' % (again,

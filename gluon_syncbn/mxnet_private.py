@@ -41,9 +41,19 @@ Failures
       operator completes by rethrowing any exception on the engine variables
       of its callback's arrays (``Engine::Throw``), so a failed call makes an
       engine operation fail on one of them and returns success:
-      :func:`fail_custom_call` (a ``take`` in ``raise`` mode, whose check fails
-      at run time) and ``native/operator.h`` ``failed_call`` (an operation
-      completed with the error, through ``MXEnginePushAsyncND``).
+      ``native/operator.h`` ``fail_array`` (an operation completed with the
+      error, through ``MXEnginePushAsyncND``), and without the native library
+      :func:`fail_custom_call`'s ``take`` in ``raise`` mode, whose check fails
+      at run time.
+    * The engine keeps failed operations' errors in one list per process
+      (``threaded_engine.h``, ``AddToGlobalExceptions``), appended from the
+      thread that completes a failure and searched from every thread that
+      starts an operation on a failed array, without a lock; the next
+      ``waitall`` walks it. Concurrent appends, or an append that moves the
+      list under a search, corrupt it, and ``waitall`` then crashes. The native
+      library fails operations one at a time (``fail_operation``) and grows
+      the list once before the first call (``reserve_engine_errors``); the
+      Python operator without it does neither.
     * MXNet's text for such a failure is its own (:data:`FAILED_CALL_TEXT`, or
       ``Check failed ... kCustomOpProp`` for a property callback that fails on
       the main thread). ``hooks`` puts our cause in its place or after it in
@@ -139,10 +149,16 @@ def host_view(arr):
 FAILED_CALL_TEXT = 'take operator contains indices out of bound'
 
 
-def fail_custom_call(arr):
+def fail_custom_call(arr, failure, lib=None):
     """Fail the custom-operator call that got ``arr`` (one of its callback's
-    arrays), and that call alone: the cause goes to ``errors.record_failure``
-    first, and the callback then returns normally."""
+    arrays) with the exception ``failure``, and that call alone; the callback
+    then returns normally. ``lib``: the native library, whose failed
+    operations queue one at a time; without it a ``take`` fails, whose text
+    ``hooks`` replaces with ``failure`` (recorded by ``errors.record_failure``
+    first)."""
+    text = '%s: %s' % (type(failure).__name__, failure)
+    if lib is not None and lib.gsbn_fail_call(arr.handle, text.encode('utf-8', 'replace')) == 0:
+        return
     import mxnet as mx
     source = mx.nd.zeros((1,), ctx=arr.context, dtype=arr.dtype)
     out_of_bounds = mx.nd.ones(arr.shape, ctx=arr.context)

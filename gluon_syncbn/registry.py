@@ -58,6 +58,7 @@ class Session(object):
         self._cause = None
         self._abort_listeners = []
         self._native = None
+        self._engine_ready = False
         self._cleared_token = 0
         self._issue_token = 0
         self._step = 0
@@ -71,6 +72,14 @@ class Session(object):
         add_failure_source(lambda: [
             (SyncBatchNormTimeout if kind == 'SyncBatchNormTimeout' else SyncBatchNormError)(m)
             for kind, m in native.take_errors(lib)])
+
+    def prepare_engine(self):
+        """Once, before the first layer's first call: room in MXNet's list of
+        engine errors, so failures never move it under a search (native
+        ``operator.h`` ``reserve_engine_errors``; :mod:`mxnet_private`)."""
+        if self._native is not None and not self._engine_ready:
+            self._engine_ready = True
+            self._native.gsbn_reserve_engine_errors()
 
     def add_abort_listener(self, listener):
         """Call ``listener(cause)`` on every abort except the one at interpreter exit."""
@@ -244,6 +253,7 @@ class SyncGroup(object):
         hint = timeout_hint(self.devices)
         self.barrier = CallOrderBarrier(name, self.devices, timeout, hint=hint, session=SESSION)
         self.host_memory = in_host_memory(self.devices)
+        SESSION.prepare_engine()
         # Which operator synchronizes the calls: the native asynchronous
         # operator (CPU contexts; the native host operator where its self-test
         # failed), the native device operator (GPUs), or the Python one

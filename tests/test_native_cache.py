@@ -31,7 +31,7 @@ def test_two_environments_never_share_a_build(environments):
     cpu, gpu = environments('cpu-venv'), environments('gpu-venv')
     assert cpu != gpu
     # ... nor the self-test's verdict, which lives beside the build.
-    assert cpu + '.selftest' != gpu + '.selftest'
+    assert cpu + '.async.selftest' != gpu + '.async.selftest'
     # Each environment finds its own build again.
     assert environments('cpu-venv') == cpu and environments('gpu-venv') == gpu
     assert os.path.dirname(cpu) == os.path.dirname(gpu)  # one cache, one MXNet version

@@ -8,21 +8,21 @@ Three operators:
   with no thread waiting and no custom-operator hand-off (6-8x cheaper per call);
 * the host operator (``host_op.h``), CPU contexts: the same call as a custom
   operator (MXNet's C API), where the asynchronous one is unavailable;
-* the device operator (``device_op.h``), GPUs: the synchronization step on
-  per-channel vectors as a custom operator, with synchronous copies;
-* the exchange operator (``exchange_op.h``), GPUs, opt-in
-  (``GLUON_SYNCBN_EXCHANGE=1``): the same step on the packed per-channel
-  vector, an asynchronous operator of MXNet's own kind (cpu and gpu) that only
-  issues MXNet's engine copies, no thread waiting. Not the default: it has
-  never run on a GPU, and on CPU contexts about 1 in 10 runs of ten abandoned
-  steps crashes or hangs (docs/findings.md).
+* the exchange operator (``exchange_op.h``), GPUs: the synchronization step
+  on the packed per-channel vector, an asynchronous operator of MXNet's own
+  kind (cpu and gpu) that only issues MXNet's engine copies, no thread waiting;
+* the device operator (``device_op.h``), GPUs where the exchange operator is
+  unavailable or turned off (``GLUON_SYNCBN_EXCHANGE=0``): the same step as a
+  custom operator, with synchronous copies.
 
-The asynchronous operator relies on the C++ ABI of the libmxnet.so it was
-built against (``mxnet_abi.h``); a self-test in a subprocess checks it once
-per build (``selftest.py``, its verdict in ``<library>.selftest``), and the
-host operator is used if it fails. ``GLUON_SYNCBN_ASYNC=0`` turns it off.
-The exchange operator relies on the same ABI and self-test (the device
-operator is used if it fails).
+The asynchronous and exchange operators rely on the C++ ABI of the
+libmxnet.so they were built against (``mxnet_abi.h``); a self-test in a
+subprocess checks each once per build (``selftest.py``, its verdict in
+``<library>.<part>.selftest``): the asynchronous operator at load, the host
+operator being used if it fails (``GLUON_SYNCBN_ASYNC=0`` turns it off); the
+exchange operator at the GPU path's first use, on two devices and once per
+GPU driver too, the device operator being used if it fails
+(``GLUON_SYNCBN_EXCHANGE=0`` turns it off).
 
 ``GLUON_SYNCBN_OPERATOR`` selects the implementation within one process:
 
@@ -65,6 +65,7 @@ HOST_OP_TYPE = '_gluon_syncbn_host'
 DEVICE_OP_TYPE = '_gluon_syncbn_device'
 IMPLEMENTATION_VARIABLE = 'GLUON_SYNCBN_OPERATOR'
 CACHE_VARIABLE = 'GLUON_SYNCBN_CACHE'
+SELFTEST_VARIABLE = 'GLUON_SYNCBN_SELFTEST'  # set in the self-test's own process
 SOURCE_DIR = os.path.dirname(os.path.abspath(__file__))
 SOURCE = os.path.join(SOURCE_DIR, 'syncbn.cc')  # includes the .h files beside it
 FLAGS = ['-O3', '-shared', '-fPIC', '-std=c++14',
@@ -79,7 +80,8 @@ FLAGS = ['-O3', '-shared', '-fPIC', '-std=c++14',
 BUILD_SECONDS = 300
 SELFTEST_SECONDS = 120
 
-_state = {'lib': None, 'why_not': None, 'async': None, 'exchange': None}
+_state = {'lib': None, 'path': None, 'why_not': None, 'async': None, 'exchange': None,
+          'exchange_checked': False}
 
 
 class NativeUnavailable(Exception):
@@ -190,6 +192,9 @@ def _declare(lib):
     lib.gsbn_group_set_running.restype = None
     lib.gsbn_group_remove.argtypes = [c.c_char_p]
     lib.gsbn_group_remove.restype = None
+    lib.gsbn_reserve_engine_errors.argtypes = []
+    lib.gsbn_reserve_engine_errors.restype = None
+    lib.gsbn_fail_call.argtypes = [c.c_void_p, c.c_char_p]
     lib.gsbn_token.restype = c.c_uint64
     lib.gsbn_begin_step.restype = None
     lib.gsbn_abort.argtypes = [c.c_char_p]
@@ -217,15 +222,10 @@ def load():
             if lib.gsbn_register(HOST_OP_TYPE.encode(), DEVICE_OP_TYPE.encode()) != 0:
                 raise NativeUnavailable('MXCustomOpRegister failed')
             _state['lib'] = lib
+            _state['path'] = path
             if _async_works(path) and lib.gsbn_register_async() == 0:
                 from ..mxnet_private import operator_functions
                 _state['async'] = operator_functions(ASYNC_OP)
-                # The one place the GPU path's operator is chosen: the
-                # exchange operator if asked for and the self-test passed (it
-                # covers both), else the custom device operator.
-                if (os.environ.get(EXCHANGE_VARIABLE, '0') == '1'
-                        and lib.gsbn_register_exchange() == 0):
-                    _state['exchange'] = operator_functions(EXCHANGE_OP)
         except (NativeUnavailable, OSError) as exc:
             _state['why_not'] = str(exc)
             if choice == 'auto':
@@ -242,20 +242,61 @@ def load():
 
 def _async_works(path):
     """Whether to register the asynchronous operator: not if
-    ``GLUON_SYNCBN_ASYNC=0``; else if ``selftest.py`` passed with this library
-    (run once in a subprocess, remembered beside it), since it relies on
-    libmxnet's C++ ABI (see mxnet_abi.h)."""
+    ``GLUON_SYNCBN_ASYNC=0``; else if its part of ``selftest.py`` passed with
+    this library, since it relies on libmxnet's C++ ABI (see mxnet_abi.h)."""
     if os.environ.get(ASYNC_VARIABLE, '1') == '0':
         return False
-    if os.environ.get('GLUON_SYNCBN_SELFTEST') == '1':
-        return True  # this is the self-test's process
-    marker = path + '.selftest'
+    verdict = _selftest(path, 'async')
+    if verdict != 'ok':
+        warnings.warn(
+            'gluon_syncbn: the asynchronous CPU operator (and the GPU path\'s exchange operator) '
+            'failed its self-test with this MXNet build (%s). Using the custom '
+            'operators, about 3x the host cost per call. '
+            'Set %s=0 to silence this.' % (verdict, ASYNC_VARIABLE),
+            RuntimeWarning, stacklevel=4)
+    return verdict == 'ok'
+
+
+def _exchange_works(path):
+    """Whether the GPU path takes the exchange operator: not if
+    ``GLUON_SYNCBN_EXCHANGE=0`` or without the asynchronous operator (same
+    ABI); else if its part of ``selftest.py`` passed: one layer on two devices
+    (two GPUs where there are, else two CPU contexts down the GPU path) against
+    NumPy, once per library and GPU driver."""
+    if os.environ.get(EXCHANGE_VARIABLE, '1') == '0' or _state['async'] is None:
+        return False
+    verdict = _selftest(path, 'exchange')
+    if verdict != 'ok':
+        warnings.warn(
+            'gluon_syncbn: the GPU path\'s exchange operator failed its self-test with this '
+            'MXNet build and driver (%s). Using the custom device operator, which copies '
+            'synchronously on MXNet\'s custom-operator threads. Set %s=0 to silence this.'
+            % (verdict, EXCHANGE_VARIABLE), RuntimeWarning, stacklevel=5)
+    return verdict == 'ok'
+
+
+def _driver_tag():
+    """The NVIDIA driver's version line's hash, or '' without one."""
+    try:
+        with open('/proc/driver/nvidia/version', 'rb') as f:
+            return '-' + hashlib.sha1(f.readline()).hexdigest()[:12]
+    except OSError:
+        return ''
+
+
+def _selftest(path, part):
+    """``'ok'``, or why ``python -m gluon_syncbn.native.selftest <part>``
+    failed with the library at ``path``: run once in a subprocess (a crash
+    ends it, not the user's process), the verdict kept beside the library in
+    ``<library>.<part>[-<driver>].selftest``."""
+    if os.environ.get(SELFTEST_VARIABLE) == '1':
+        return 'ok'  # this is the self-test's process
+    marker = '%s.%s%s.selftest' % (path, part, _driver_tag() if part == 'exchange' else '')
     if not os.path.exists(marker):
         try:
-            proc = subprocess.run([sys.executable, '-m', 'gluon_syncbn.native.selftest'],
+            proc = subprocess.run([sys.executable, '-m', 'gluon_syncbn.native.selftest', part],
                                   capture_output=True, text=True, timeout=SELFTEST_SECONDS,
-                                  env=dict(os.environ, GLUON_SYNCBN_SELFTEST='1',
-                                           **{EXCHANGE_VARIABLE: '1'}))
+                                  env=dict(os.environ, **{SELFTEST_VARIABLE: '1'}))
             verdict = 'ok' if proc.returncode == 0 and 'ok' in proc.stdout else (
                 'exit %d: %s' % (proc.returncode, (proc.stderr or proc.stdout)[-500:]))
         except subprocess.TimeoutExpired:
@@ -266,14 +307,7 @@ def _async_works(path):
         os.replace(tmp, marker)
     with open(marker) as f:
         verdict = f.read()
-    if verdict != 'ok':
-        warnings.warn(
-            'gluon_syncbn: the asynchronous CPU operator (and the GPU path\'s exchange operator) '
-            'failed its self-test with this MXNet build (%s; see %s). Using the custom '
-            'operators, about 3x the host cost per call. '
-            'Set %s=0 to silence this.' % (verdict.strip()[-300:], marker, ASYNC_VARIABLE),
-            RuntimeWarning, stacklevel=3)
-    return verdict == 'ok'
+    return verdict if verdict == 'ok' else '%s; see %s' % (verdict.strip()[-300:], marker)
 
 
 def take_errors(lib):
@@ -292,8 +326,15 @@ def cause(lib):
 
 def device_operator():
     """``{mx.nd: f, mx.sym: f}`` for the exchange operator (the GPU path), or
-    None: the custom device operator (``DEVICE_OP_TYPE``) is used."""
-    load()
+    None: the custom device operator (``DEVICE_OP_TYPE``) is used. The one
+    place the GPU path's operator is chosen, at its first use: the exchange
+    operator where its self-test passed, unless turned off."""
+    lib = load()
+    if lib is not None and _state['exchange'] is None and not _state['exchange_checked']:
+        _state['exchange_checked'] = True
+        if _exchange_works(_state['path']) and lib.gsbn_register_exchange() == 0:
+            from ..mxnet_private import operator_functions
+            _state['exchange'] = operator_functions(EXCHANGE_OP)
     return _state['exchange']
 
 

@@ -82,8 +82,7 @@ void complete(const mxnet::engine::CallbackOnComplete& on_complete, const std::s
   if (error.empty()) {
     on_complete();
   } else {
-    dmlc::Error e(error);
-    on_complete(&e);
+    fail_operation(on_complete, error);
   }
 }
 

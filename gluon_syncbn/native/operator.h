@@ -61,6 +61,62 @@ struct Handles {  // the callback's arrays by tag, freed when it returns
   ~Handles() { for (int i = 0; i < size; ++i) MXNDArrayFree(ptrs[i]); }
 };
 
+// MXNet 1.9.1's engine keeps failed operations' errors in one plain
+// std::vector per process (threaded_engine.h, AddToGlobalExceptions), which
+// waitall walks and clears: a failed operation appends its error from the
+// thread that completes it, and every operation that starts on a failed array
+// searches the list from its own thread, all without a lock. Two appends at
+// once, or an append that outgrows the list and moves it under a search
+// (which then misses, and appends too), corrupt it, and the next waitall
+// crashes. An aborted step fails every device's calls at once, so the native
+// operators take two measures: their failures complete one at a time in the
+// process (fail_operation), and the list gets room before the first call
+// (reserve_engine_errors).
+
+// Completes an engine operation with `error`, one failure at a time.
+void fail_operation(const mxnet::engine::CallbackOnComplete& on_complete,
+                    const std::string& error) {
+  static std::mutex* one_at_a_time = new std::mutex;  // never destroyed: used at exit
+  std::lock_guard<std::mutex> lock(*one_at_a_time);
+  dmlc::Error e(error);
+  on_complete(&e);
+}
+
+void raise_on(void*, void* on_complete, void* message) {
+  fail_operation(*static_cast<mxnet::engine::CallbackOnComplete*>(on_complete),
+                 *static_cast<std::string*>(message));
+}
+
+// The list grows by doubling and keeps its room when waitall clears it:
+// 2^k + 1 entries leave room for 2^k - 1 more errors before the next waitall
+// and 2^(k+1) after it.
+const int kReservedEngineErrors = 4097;
+
+// Grows the list by `n` errors: `n` operations fail on fresh arrays, inline
+// on this thread (kAsync), and their errors are taken at once, which leaves
+// entries that waitall skips and clears. Run before any of our operations
+// can fail (registry.Session.prepare_engine).
+void reserve_engine_errors(int n) {
+  static std::string why = "gluon_syncbn: making room in the engine's list of errors";
+  const uint32_t shape[1] = {1};
+  const int inline_here = static_cast<int>(mxnet::FnProperty::kAsync);
+  int ctx[2] = {1, 0};  // mxnet::Context{kCPU, 0}
+  std::vector<NDArrayHandle> arrays;
+  for (int i = 0; i < n; ++i) {
+    NDArrayHandle a = nullptr;
+    if (MXNDArrayCreateEx(shape, 1, 1, 0, 1, 0, &a) != 0) break;
+    arrays.push_back(a);
+    MXEnginePushAsyncND(raise_on, &why, nullptr, ctx, nullptr, 0, &a, 1, &inline_here, 0,
+                        "gluon_syncbn_reserve", false);
+  }
+  for (NDArrayHandle a : arrays) {
+    MXNDArrayWaitToRead(a);  // takes the error: -1, as expected
+    MXNDArrayFree(a);
+  }
+}
+
+void delete_message(void* message) { delete static_cast<std::string*>(message); }
+
 // What a forward or backward callback returns when its call failed: the
 // failure goes to this call alone. A callback that returns 0 leaves MXNet's
 // error in the custom-operator runtime's one process-wide slot (1.9.1
@@ -70,23 +126,21 @@ struct Handles {  // the callback's arrays by tag, freed when it returns
 // writes can free the slot twice. But a custom operator completes by
 // rethrowing any exception on its callback's arrays (Engine::Throw on each
 // one's engine variable), so the callback queues an engine operation that
-// fails writing one of them, and returns success.
-void raise_on(void*, void* on_complete, void* message) {
-  dmlc::Error e(*static_cast<std::string*>(message));
-  (*static_cast<mxnet::engine::CallbackOnComplete*>(on_complete))(&e);
+// fails writing one of them (fail_array), and returns success.
+//
+// Queues that operation: it fails `array`'s engine variable with `message`;
+// 0 if queued.
+int fail_array(NDArrayHandle array, const std::string& message) {
+  int ctx[2] = {1, 0};  // mxnet::Context{kCPU, 0}: where the failing operation runs
+  return MXEnginePushAsyncND(raise_on, new std::string(message), delete_message, ctx, nullptr, 0,
+                             &array, 1, nullptr, 0, "gluon_syncbn_failed_call", false);
 }
-
-void delete_message(void* message) { delete static_cast<std::string*>(message); }
 
 int failed_call(const Handles& h, const std::string& message) {
   // An array MXNet checks: the inputs of a forward call, the input gradients
   // of a backward call (which gets placeholders for undeclared inputs).
   NDArrayHandle array = h.by_tag[kInGrad].empty() ? h.by_tag[kInData][0] : h.by_tag[kInGrad][0];
-  int ctx[2] = {1, 0};  // mxnet::Context{kCPU, 0}: where the failing operation runs
-  auto* text = new std::string(message);
-  if (MXEnginePushAsyncND(raise_on, text, delete_message, ctx, nullptr, 0, &array, 1, nullptr,
-                          0, "gluon_syncbn_failed_call", false) == 0)
-    return 1;
+  if (fail_array(array, message) == 0) return 1;
   return fail("SyncBatchNormError", message);  // MXNet's slot, as a last resort
 }
 
