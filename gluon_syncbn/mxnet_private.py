@@ -157,7 +157,7 @@ def fail_custom_call(arr, failure, lib=None):
     ``hooks`` replaces with ``failure`` (recorded by ``errors.record_failure``
     first)."""
     text = '%s: %s' % (type(failure).__name__, failure)
-    if lib is not None and lib.gsbn_fail_call(arr.handle, text.encode('utf-8', 'replace')) == 0:
+    if lib is not None and lib.gsbn_fail_array(arr.handle, text.encode('utf-8', 'replace')) == 0:
         return
     import mxnet as mx
     source = mx.nd.zeros((1,), ctx=arr.context, dtype=arr.dtype)

@@ -194,7 +194,7 @@ def _declare(lib):
     lib.gsbn_group_remove.restype = None
     lib.gsbn_reserve_engine_errors.argtypes = []
     lib.gsbn_reserve_engine_errors.restype = None
-    lib.gsbn_fail_call.argtypes = [c.c_void_p, c.c_char_p]
+    lib.gsbn_fail_array.argtypes = [c.c_void_p, c.c_char_p]
     lib.gsbn_token.restype = c.c_uint64
     lib.gsbn_begin_step.restype = None
     lib.gsbn_abort.argtypes = [c.c_char_p]

@@ -81,7 +81,6 @@ int gsbn_register_exchange() {
 }
 
 // Registers the host and the device operator under these names; 0 on success.
-// Registers the custom operators; 0 on success.
 int gsbn_register(const char* host_type, const char* device_type) {
   return MXCustomOpRegister(host_type, host_prop) || MXCustomOpRegister(device_type, device_prop);
 }
@@ -90,9 +89,10 @@ int gsbn_register(const char* host_type, const char* device_type) {
 // called once, before the first layer's first call.
 void gsbn_reserve_engine_errors() { reserve_engine_errors(kReservedEngineErrors); }
 
-// Fails the custom-operator call that got `array` with `message` (the Python
-// operator's failed_call; see operator.h); 0 if the failure was queued.
-int gsbn_fail_call(NDArrayHandle array, const char* message) {
+// Fails the custom-operator call that got `array` with `message`, as the
+// native custom operators' failed_call does (for the Python operator; see
+// operator.h); 0 if the failure was queued.
+int gsbn_fail_array(NDArrayHandle array, const char* message) {
   return fail_array(array, message);
 }
 
