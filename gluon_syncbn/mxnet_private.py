@@ -51,9 +51,10 @@ Failures
       starts an operation on a failed array, without a lock; the next
       ``waitall`` walks it. Concurrent appends, or an append that moves the
       list under a search, corrupt it, and ``waitall`` then crashes. The native
-      library fails operations one at a time (``fail_operation``) and grows
-      the list once before the first call (``reserve_engine_errors``); the
-      Python operator without it does neither.
+      library fails operations one at a time (``fail_operation``) and, for
+      its asynchronous and exchange operators, grows the list once before
+      their first call (``reserve_engine_errors``); custom operators complete
+      through MXNet and stay exposed.
     * MXNet's text for such a failure is its own (:data:`FAILED_CALL_TEXT`, or
       ``Check failed ... kCustomOpProp`` for a property callback that fails on
       the main thread). ``hooks`` puts our cause in its place or after it in

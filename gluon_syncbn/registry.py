@@ -74,9 +74,13 @@ class Session(object):
             for kind, m in native.take_errors(lib)])
 
     def prepare_engine(self):
-        """Once, before the first layer's first call: room in MXNet's list of
-        engine errors, so failures never move it under a search (native
-        ``operator.h`` ``reserve_engine_errors``; :mod:`mxnet_private`)."""
+        """Once, before the first call of the native asynchronous or exchange
+        operator: room in MXNet's list of engine errors, so their failures
+        never move it under a search (native ``operator.h``
+        ``reserve_engine_errors``; :mod:`mxnet_private`). Not for custom
+        operators: their failures complete through MXNet on several threads
+        at once, and the longer list widens the gap between an append's
+        search and its write."""
         if self._native is not None and not self._engine_ready:
             self._engine_ready = True
             self._native.gsbn_reserve_engine_errors()
@@ -253,7 +257,6 @@ class SyncGroup(object):
         hint = timeout_hint(self.devices)
         self.barrier = CallOrderBarrier(name, self.devices, timeout, hint=hint, session=SESSION)
         self.host_memory = in_host_memory(self.devices)
-        SESSION.prepare_engine()
         # Which operator synchronizes the calls: the native asynchronous
         # operator (CPU contexts; the native host operator where its self-test
         # failed), the native device operator (GPUs), or the Python one
@@ -263,6 +266,9 @@ class SyncGroup(object):
         else:
             self.operator = ('device' if not self.host_memory else
                              'async' if native.async_operator() else 'host')
+        if self.operator == 'async' or (self.operator == 'device'
+                                         and native.device_operator() is not None):
+            SESSION.prepare_engine()  # operators that complete their own failures
         self._running_arrays = []
         if self.operator != 'python':
             subgroups = (ctypes.c_int * len(self.devices))(*self.subgroup_of)

@@ -70,8 +70,10 @@ struct Handles {  // the callback's arrays by tag, freed when it returns
 // (which then misses, and appends too), corrupt it, and the next waitall
 // crashes. An aborted step fails every device's calls at once, so the native
 // operators take two measures: their failures complete one at a time in the
-// process (fail_operation), and the list gets room before the first call
-// (reserve_engine_errors).
+// process (fail_operation), and the list gets room before their first call
+// (reserve_engine_errors; for the asynchronous and exchange operators, which
+// complete their own failures, not for custom operators, which MXNet
+// completes).
 
 // Completes an engine operation with `error`, one failure at a time.
 void fail_operation(const mxnet::engine::CallbackOnComplete& on_complete,
@@ -94,8 +96,8 @@ const int kReservedEngineErrors = 4097;
 
 // Grows the list by `n` errors: `n` operations fail on fresh arrays, inline
 // on this thread (kAsync), and their errors are taken at once, which leaves
-// entries that waitall skips and clears. Run before any of our operations
-// can fail (registry.Session.prepare_engine).
+// entries that waitall skips and clears. Run before the asynchronous or the
+// exchange operator's first call (registry.Session.prepare_engine).
 void reserve_engine_errors(int n) {
   static std::string why = "gluon_syncbn: making room in the engine's list of errors";
   const uint32_t shape[1] = {1};
