@@ -15,14 +15,12 @@ alone beside plain in a fresh process, so the others still get their numbers.
     python benchmarks/bench_overhead.py --n 2 --steps 10
     python benchmarks/bench_overhead.py --operator python --out results_overhead_python
     python benchmarks/bench_overhead.py --n 2 --operator native-device --out results_overhead_device
-    python benchmarks/bench_overhead.py --n 2 --operator native-custom --out results_overhead_custom
 
 ``--operator native`` is the asynchronous operator on CPU contexts,
-``native-custom`` the custom host operator that replaces it where its
-self-test fails (``GLUON_SYNCBN_ASYNC=0``).
-``--operator native-device`` / ``python-device`` run CPU contexts down the path
-GPUs take (``GLUON_SYNCBN_DEVICE_PATH=1``: MXNet's operators compute the local
-moments, the device operator exchanges vectors): the host cost of the GPU path.
+``python`` the Python operator (the fallback). ``--operator native-device`` /
+``python-device`` run CPU contexts down the path GPUs take
+(``GLUON_SYNCBN_DEVICE_PATH=1``: MXNet's operators compute the local moments,
+the exchange operator exchanges vectors): the host cost of the GPU path.
 """
 import argparse
 import json
@@ -95,8 +93,7 @@ def measure(n, hybridize, args):
                temp_slots=args.temp_slots)
     operator, _, path = args.operator.partition('-')
     env = dict(os.environ, GLUON_SYNCBN_OPERATOR=operator,
-               GLUON_SYNCBN_DEVICE_PATH='1' if path == 'device' else '0',
-               GLUON_SYNCBN_ASYNC='0' if path == 'custom' else '1')
+               GLUON_SYNCBN_DEVICE_PATH='1' if path == 'device' else '0')
     res = run_worker('worker', cfg, args.deadline, module='bench_overhead', env=env)
     if isinstance(res, dict):
         return res
@@ -142,10 +139,8 @@ def main():
                         help="gluon_syncbn's timeout: how soon a deadlock is reported")
     parser.add_argument('--deadline', type=float, default=240.0, help='per process, seconds')
     parser.add_argument('--operator', default='native',
-                        choices=['native', 'native-custom', 'python', 'native-device',
-                                 'python-device'],
-                        help="gluon_syncbn's operator (GLUON_SYNCBN_OPERATOR), '-custom' for "
-                             "the custom host operator (GLUON_SYNCBN_ASYNC=0) and '-device' "
+                        choices=['native', 'python', 'native-device', 'python-device'],
+                        help="gluon_syncbn's operator (GLUON_SYNCBN_OPERATOR), '-device' "
                              "for the GPU path (GLUON_SYNCBN_DEVICE_PATH=1)")
     parser.add_argument('--temp-slots', type=int, default=None,
                         help='configure_cpu_contexts(N, temp_slots=...): the default '

@@ -340,7 +340,7 @@ class SyncBatchNorm(HybridBlock):
             registry.SESSION.check_dtypes(self._group_id, "'%s'" % self.name, str(x.context),
                                           dtype)
         axis = self._kwargs['axis']
-        if not imperative and self._static_shape and group.operator in ('host', 'device'):
+        if not imperative and self._static_shape and group.operator == 'exchange':
             try:
                 group.register_running_arrays()
             except DeferredInitializationError:
@@ -354,23 +354,6 @@ class SyncBatchNorm(HybridBlock):
                         eps=self._kwargs['eps'], momentum=self._kwargs['momentum'],
                         fix_gamma=self._kwargs['fix_gamma'], static_shape=self._static_shape,
                         axis=axis, input_dtype=dtype, name='sync')
-        if group.operator == 'host':
-            # Where the asynchronous one is unavailable: one custom operator
-            # does it all: local moments, the rendezvous,
-            # normalization and running statistics (see native/host_op.h).
-            # float16/32 go through float64: the Casts hand the operator x and
-            # dy in MXNet's default layout (see mxnet_private.py, "layouts").
-            wide = dtype != 'float64'
-            out, _ = F.Custom(F.Cast(x, dtype='float64') if wide else x,
-                              gamma, beta, running_mean, running_var,
-                              op_type=native.HOST_OP_TYPE, group=group.group_id,
-                              eps=self._kwargs['eps'], momentum=self._kwargs['momentum'],
-                              fix_gamma=self._kwargs['fix_gamma'],
-                              static_shape=self._static_shape, axis=axis,
-                              input_dtype=dtype, name='sync')
-            # Back to the layer's dtype (a traced graph cannot see x's own:
-            # float16 and float64 networks call net.cast(dtype)).
-            return F.Cast(out, dtype=operator_dtype(dtype)) if wide else out
         if imperative and x.size == 0:
             return self._empty_slice(F, x, gamma, beta, running_mean, running_var, group, dtype)
         half = dtype in LOW_PRECISION
@@ -433,14 +416,13 @@ class SyncBatchNorm(HybridBlock):
     def _exchange(group):
         """The exchange operator's functions if this group's calls use it (the
         GPU path, where the self-test passed), else None."""
-        return native.device_operator() if group.operator == 'device' else None
+        return native.exchange_operator() if group.operator == 'exchange' else None
 
     def _synchronize(self, F, group, m1, m2, sqdev, shape, gamma, beta, running_mean,
                      running_var, static_shape, row_sums, dtype, m1_axes=None):
         """The synchronization step on per-channel vectors: the native exchange
-        operator (native/exchange_op.h), the native device operator
-        (native/device_op.h) where it is unavailable, or, across processes,
-        op.py's. Returns the (scale, shift) that normalize ``x - m1``."""
+        operator (native/exchange_op.h) on GPUs, else the Python operator
+        (op.py). Returns the (scale, shift) that normalize ``x - m1``."""
         exchange = self._exchange(group)
         if exchange is not None and not row_sums:
             # One packed vector in, one out: [m1 | m2 | v | shape | gamma | beta]
@@ -469,7 +451,7 @@ class SyncBatchNorm(HybridBlock):
             return F.reshape_like(scale, m1), F.reshape_like(shift, m1)
         scale, shift, _ = F.Custom(
             m1, m2, sqdev, shape, gamma, beta, running_mean, running_var,
-            op_type=native.DEVICE_OP_TYPE if group.operator == 'device' else _op.OP_TYPE,
+            op_type=_op.OP_TYPE,
             group=group.group_id, eps=self._kwargs['eps'], momentum=self._kwargs['momentum'],
             fix_gamma=self._kwargs['fix_gamma'], static_shape=static_shape, row_sums=row_sums,
             input_dtype=dtype, name='sync')

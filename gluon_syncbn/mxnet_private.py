@@ -4,8 +4,8 @@ Each item names what we rely on and where the code that relies on it lives.
 An MXNet upgrade starts here.
 
 Raw memory
-    * :func:`host_view` (used by ``op.py``) and ``native/host_op.h`` read and
-      write the memory of the arrays a custom-operator callback receives. In
+    * :func:`host_view` (used by ``op.py``) reads and writes the memory of
+      the arrays a custom-operator callback receives. In
       1.9.1 those are fresh NDArrays over the operator's own default-layout
       buffers (``custom.cc``: ``AllocateNDArrayCopy`` of inputs that
       ``CreateDefaultInputs`` reordered), so waiting on them cannot deadlock,
@@ -15,24 +15,23 @@ Raw memory
       temporary that is freed when the custom operator's engine function
       returns, before the callback runs on the custom-operator thread, and an
       in-place operator (``Cast`` to the same dtype) over an MKL-DNN array leaves
-      blocked bytes flagged as default layout. So the block feeds the native
-      operator through ``Cast`` to float64 and back (never in place, never
-      MKL-DNN): x and dy reach it in default layout, in memory that lives.
+      blocked bytes flagged as default layout. So the Python operator gets
+      only per-channel vectors that MXNet's own operators computed; the
+      asynchronous operator reorders MKL-DNN inputs itself, into arrays it
+      holds until it completes (``native/async_op.h``).
     * ``mxnet::Context`` is ``{int32 dev_type, int32 dev_id}`` (the native
-      operator passes one to ``MXEnginePushSyncND``).
+      operators pass one to ``MXEnginePushSyncND``).
     * static_shape graphs register a custom operator's auxiliary states as
       read-only inputs, so running statistics there are updated by engine
       operations on the Parameter's own arrays, read-modify-write in engine
-      order (``op.py`` and ``native/arrays.h`` running_update_async, through
-      ``_mul_scalar`` and ``elemwise_add``; ``native/host_op.h`` RunningUpdate);
-      the asynchronous operator's states share one engine variable per layer
-      and device (``native/async_op.h`` layer_variable), which orders a
-      layer's calls there.
-    * Copies: ``MXNDArraySyncCopyToCPU``/``FromCPU`` on a callback's arrays
-      wait only for their own fresh engine variables (``native/arrays.h``).
+      order (``op.py`` and ``native/exchange_op.h`` queue_running_update,
+      through ``_mul_scalar`` and ``elemwise_add``); the native operators'
+      states share one engine variable per layer and device
+      (``native/async_op.h`` layer_variable), which orders a layer's calls
+      there.
 
 Failures
-    * A custom-operator callback that fails (returns 0, or raises in Python)
+    * A custom-operator callback that fails (raises, in the Python operator)
       leaves its exception in the custom-operator runtime's one process-wide
       slot (``custom-inl.h``, ``CustomOperator::exception_``), which the next
       custom operator to complete takes, without a lock: when several devices'
@@ -42,7 +41,7 @@ Failures
       of its callback's arrays (``Engine::Throw``), so a failed call makes an
       engine operation fail on one of them and returns success:
       ``native/operator.h`` ``fail_array`` (an operation completed with the
-      error, through ``MXEnginePushAsyncND``), and without the native library
+      error, through ``MXEnginePushAsyncND``), or without the native library
       :func:`fail_custom_call`'s ``take`` in ``raise`` mode, whose check fails
       at run time.
     * The engine keeps failed operations' errors in one list per process
@@ -51,10 +50,13 @@ Failures
       starts an operation on a failed array, without a lock; the next
       ``waitall`` walks it. Concurrent appends, or an append that moves the
       list under a search, corrupt it, and ``waitall`` then crashes. The native
-      library fails operations one at a time (``fail_operation``) and, for
-      its asynchronous and exchange operators, grows the list once before
-      their first call (``reserve_engine_errors``); custom operators complete
-      through MXNet and stay exposed.
+      operators fail operations one at a time (``fail_operation``) and grow
+      the list once before their first call (``reserve_engine_errors``). A
+      custom operator cannot: MXNet completes each failed one with a new error
+      on that device's worker thread (``custom-inl.h``,
+      ``CustomOperatorWait``), so several devices failing at once can append
+      together. Hence no native operator is a custom operator; the Python
+      operator (the fallback) stays exposed.
     * MXNet's text for such a failure is its own (:data:`FAILED_CALL_TEXT`, or
       ``Check failed ... kCustomOpProp`` for a property callback that fails on
       the main thread). ``hooks`` puts our cause in its place or after it in

@@ -74,13 +74,9 @@ class Session(object):
             for kind, m in native.take_errors(lib)])
 
     def prepare_engine(self):
-        """Once, before the first call of the native asynchronous or exchange
-        operator: room in MXNet's list of engine errors, so their failures
-        never move it under a search (native ``operator.h``
-        ``reserve_engine_errors``; :mod:`mxnet_private`). Not for custom
-        operators: their failures complete through MXNet on several threads
-        at once, and the longer list widens the gap between an append's
-        search and its write."""
+        """Once, before the first call of a native operator: room in MXNet's
+        list of engine errors, so their failures never move it under a search
+        (native ``operator.h`` ``reserve_engine_errors``; :mod:`mxnet_private`)."""
         if self._native is not None and not self._engine_ready:
             self._engine_ready = True
             self._native.gsbn_reserve_engine_errors()
@@ -258,17 +254,17 @@ class SyncGroup(object):
         self.barrier = CallOrderBarrier(name, self.devices, timeout, hint=hint, session=SESSION)
         self.host_memory = in_host_memory(self.devices)
         # Which operator synchronizes the calls: the native asynchronous
-        # operator (CPU contexts; the native host operator where its self-test
-        # failed), the native device operator (GPUs), or the Python one
-        # (across processes: its transports are Python; or no native library).
-        if SESSION._native is None or self.transport.cross_process:
-            self.operator = 'python'
-        else:
-            self.operator = ('device' if not self.host_memory else
-                             'async' if native.async_operator() else 'host')
-        if self.operator == 'async' or (self.operator == 'device'
-                                         and native.device_operator() is not None):
-            SESSION.prepare_engine()  # operators that complete their own failures
+        # operator (CPU contexts), the native exchange operator (GPUs), or the
+        # Python one (across processes: its transports are Python; no native
+        # library; or the native operator failed its self-test).
+        self.operator = 'python'
+        if SESSION._native is not None and not self.transport.cross_process:
+            if self.host_memory:
+                self.operator = 'async' if native.async_operator() else 'python'
+            else:
+                self.operator = 'exchange' if native.exchange_operator() else 'python'
+        if self.operator != 'python':
+            SESSION.prepare_engine()
         self._running_arrays = []
         if self.operator != 'python':
             subgroups = (ctypes.c_int * len(self.devices))(*self.subgroup_of)
@@ -297,8 +293,10 @@ class SyncGroup(object):
             self._ownership[first:first + local] = 1.0
 
     def register_running_arrays(self):
-        """Hand the native operator each device's running mean and variance
-        arrays, for static_shape graphs (see ``host_op.h``, RunningUpdate)."""
+        """Hand the exchange operator each device's running mean and variance
+        arrays, for static_shape graphs, whose auxiliary states are read-only:
+        it updates the Parameter's own arrays in engine order
+        (``exchange_op.h``, queue_running_update)."""
         arrays = [self.running_params(d) for d in range(len(self.devices))]
         if [a.handle.value for p in arrays for a in p] != [
                 a.handle.value for p in self._running_arrays for a in p]:

@@ -79,30 +79,27 @@ DEVICE_PATH_VARIABLE = 'GLUON_SYNCBN_DEVICE_PATH'
 # Every code path a layer call can take, and the environment that selects it
 # on CPU contexts: the '-device' ones are the paths GPUs take (MXNet's
 # operators compute the moments; arrays are copied, never touched in place).
-ASYNC_VARIABLE = 'GLUON_SYNCBN_ASYNC'
 PATHS = {
     'native': {OPERATOR_VARIABLE: 'native'},  # the asynchronous operator
-    'native-custom': {OPERATOR_VARIABLE: 'native', ASYNC_VARIABLE: '0'},  # the host operator
     'python': {OPERATOR_VARIABLE: 'python'},
-    'native-device': {OPERATOR_VARIABLE: 'native', DEVICE_PATH_VARIABLE: '1'},
+    'native-device': {OPERATOR_VARIABLE: 'native', DEVICE_PATH_VARIABLE: '1'},  # exchange
     'python-device': {OPERATOR_VARIABLE: 'python', DEVICE_PATH_VARIABLE: '1'},
 }
 # The operator each path runs (the layer's group.operator).
-PATH_OPERATOR = {'native': 'async', 'native-custom': 'host', 'python': 'python',
-                 'native-device': 'device', 'python-device': 'python'}
+PATH_OPERATOR = {'native': 'async', 'python': 'python', 'native-device': 'exchange',
+                 'python-device': 'python'}
 # The paths the fault, empty-slice, group, NumPy-mode and AMP suites run on.
-OPERATOR_PATHS = ['native', 'native-custom', 'python', 'native-device']
+OPERATOR_PATHS = ['native', 'python', 'native-device']
 
 
 @pytest.fixture(params=OPERATOR_PATHS)
 def operator(request, monkeypatch):
     """Run the test's subprocesses on each operator in turn: the native
-    asynchronous, host and device operators and the Python one (see PATHS)."""
+    asynchronous and exchange operators and the Python one (see PATHS)."""
     for name, value in PATHS[request.param].items():
         monkeypatch.setenv(name, value)
-    for name in (DEVICE_PATH_VARIABLE, ASYNC_VARIABLE):
-        if name not in PATHS[request.param]:
-            monkeypatch.delenv(name, raising=False)
+    if DEVICE_PATH_VARIABLE not in PATHS[request.param]:
+        monkeypatch.delenv(DEVICE_PATH_VARIABLE, raising=False)
     return request.param
 
 

@@ -829,8 +829,9 @@ def resnet18_converted(sizes=(2, 2), steps=2, hybridize=True, seed=0):
 @scenario
 def deep_stack(num_devices, hybridize, layers=53, steps=2, seed=0):
     """The host-cost benchmark's net, layers x (conv 1x1 + SyncBN + relu) on
-    (2, 16, 2, 2) per device: it must finish (no deadlock at this depth) and
-    match nn.BatchNorm on one context on the concatenated batch."""
+    (2, 16, 2, 2) per device: it must finish (no deadlock at this depth) with
+    finite outputs and input gradients, compared with nn.BatchNorm on one
+    context on the concatenated batch."""
     rng = np.random.RandomState(seed)
     ctxs = contexts(num_devices)
 
@@ -848,6 +849,7 @@ def deep_stack(num_devices, hybridize, layers=53, steps=2, seed=0):
     if hybridize:
         net.hybridize(static_alloc=True, static_shape=True)
     errors = WorstErrors()
+    finite = True
     for _ in range(steps):
         x = rng.randn(2 * num_devices, 16, 2, 2).astype(np.float32)
         xs = [mx.nd.array(p, ctx=c) for p, c in zip(split_batch(x, [2] * num_devices), ctxs)]
@@ -861,9 +863,12 @@ def deep_stack(num_devices, hybridize, layers=53, steps=2, seed=0):
         with autograd.record():
             yr = ref(xr)
         yr.backward()
-        errors.note('out', np.concatenate([y.asnumpy() for y in ys]), yr.asnumpy())
-        errors.note('dx', np.concatenate([a.grad.asnumpy() for a in xs]), xr.grad.asnumpy())
-    return dict(errors)
+        out = np.concatenate([y.asnumpy() for y in ys])
+        dx = np.concatenate([a.grad.asnumpy() for a in xs])
+        finite = finite and bool(np.isfinite(out).all() and np.isfinite(dx).all())
+        errors.note('out', out, yr.asnumpy())
+        errors.note('dx', dx, xr.grad.asnumpy())
+    return dict(errors, finite=float(finite))
 
 
 @scenario

@@ -3,8 +3,8 @@
 Each case compares output, input gradient, gamma/beta gradients (summed over
 devices) and running statistics after 3 steps with float64 NumPy maths on the
 same input, and (float32, no offset) with gluon.nn.BatchNorm on one context.
-All cases run in one subprocess per code path (the native host operator, the
-Python operator, and the two on the path GPUs take, see conftest.PATHS) with a
+All cases run in one subprocess per code path (the native asynchronous
+operator, the Python operator, and the two on the path GPUs take, see conftest.PATHS) with a
 hard deadline.
 """
 import pytest
@@ -92,7 +92,7 @@ def test_hybridized_graphs_normalize_with_the_fast_convolution(results, case, fa
     # Python operator, float32, axis 1, MKL-DNN: a depthwise convolution, also
     # when the graph was first traced before the channel count was known (it
     # is traced again); channels-last keeps the broadcast operators. The
-    # native host operator normalizes itself: no convolution; the GPU path
+    # asynchronous operator normalizes itself: no convolution; the GPU path
     # uses the broadcast operators.
     if request.node.callspec.params['results'] != 'python':
         fast = 0.0

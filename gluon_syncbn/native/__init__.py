@@ -1,28 +1,21 @@
 """The native operators (``syncbn.cc``): built once per libmxnet.so, loaded with ctypes.
 
-Three operators:
+Two operators of MXNet's own kind, registered in its C++ registry; neither
+is a custom operator, and no thread waits in them:
 
 * the asynchronous operator (``async_op.h``), CPU contexts: the whole layer
-  call as an operator of MXNet's own kind, registered in its C++ registry; it
-  runs on the device's engine worker and completes when the devices have met,
-  with no thread waiting and no custom-operator hand-off (6-8x cheaper per call);
-* the host operator (``host_op.h``), CPU contexts: the same call as a custom
-  operator (MXNet's C API), where the asynchronous one is unavailable;
+  call; it runs on the device's engine worker and completes when the devices
+  have met;
 * the exchange operator (``exchange_op.h``), GPUs: the synchronization step
-  on the packed per-channel vector, an asynchronous operator of MXNet's own
-  kind (cpu and gpu) that only issues MXNet's engine copies, no thread waiting;
-* the device operator (``device_op.h``), GPUs where the exchange operator is
-  unavailable or turned off (``GLUON_SYNCBN_EXCHANGE=0``): the same step as a
-  custom operator, with synchronous copies.
+  on the packed per-channel vector (cpu and gpu), moving data only with
+  MXNet's engine copies.
 
-The asynchronous and exchange operators rely on the C++ ABI of the
-libmxnet.so they were built against (``mxnet_abi.h``); a self-test in a
-subprocess checks each once per build (``selftest.py``, its verdict in
-``<library>.<part>.selftest``): the asynchronous operator at load, the host
-operator being used if it fails (``GLUON_SYNCBN_ASYNC=0`` turns it off); the
-exchange operator at the GPU path's first use, on two devices and once per
-GPU driver too, the device operator being used if it fails
-(``GLUON_SYNCBN_EXCHANGE=0`` turns it off).
+Both rely on the C++ ABI of the libmxnet.so they were built against
+(``mxnet_abi.h``); a self-test in a subprocess checks each once per build
+(``selftest.py``, its verdict in ``<library>.<part>.selftest``): the
+asynchronous operator at load, the exchange operator at the GPU path's first
+use, on two devices and once per GPU driver too. Where one fails, its layers
+run the Python operator, with one warning.
 
 ``GLUON_SYNCBN_OPERATOR`` selects the implementation within one process:
 
@@ -55,14 +48,10 @@ import warnings
 
 from ..errors import SyncBatchNormError
 
-__all__ = ['HOST_OP_TYPE', 'DEVICE_OP_TYPE', 'load', 'implementation']
+__all__ = ['load', 'implementation', 'async_operator', 'exchange_operator']
 
 ASYNC_OP = '_gluon_syncbn_sync'
-ASYNC_VARIABLE = 'GLUON_SYNCBN_ASYNC'
 EXCHANGE_OP = '_gluon_syncbn_exchange'
-EXCHANGE_VARIABLE = 'GLUON_SYNCBN_EXCHANGE'
-HOST_OP_TYPE = '_gluon_syncbn_host'
-DEVICE_OP_TYPE = '_gluon_syncbn_device'
 IMPLEMENTATION_VARIABLE = 'GLUON_SYNCBN_OPERATOR'
 CACHE_VARIABLE = 'GLUON_SYNCBN_CACHE'
 SELFTEST_VARIABLE = 'GLUON_SYNCBN_SELFTEST'  # set in the self-test's own process
@@ -182,7 +171,6 @@ def build(path):
 
 def _declare(lib):
     c = ctypes
-    lib.gsbn_register.argtypes = [c.c_char_p, c.c_char_p]
     lib.gsbn_register_async.argtypes = []
     lib.gsbn_register_exchange.argtypes = []
     lib.gsbn_group_create.argtypes = [c.c_char_p, c.c_char_p, c.c_char_p, c.c_int, c.c_double,
@@ -219,8 +207,6 @@ def load():
                 build(path)
             lib = ctypes.CDLL(path)
             _declare(lib)
-            if lib.gsbn_register(HOST_OP_TYPE.encode(), DEVICE_OP_TYPE.encode()) != 0:
-                raise NativeUnavailable('MXCustomOpRegister failed')
             _state['lib'] = lib
             _state['path'] = path
             if _async_works(path) and lib.gsbn_register_async() == 0:
@@ -240,38 +226,36 @@ def load():
     return _state['lib']
 
 
+FALLBACK = ('Its layers run the Python operator (the same results, about 10-40x the host '
+            'cost per call); set %s=python to silence this.' % IMPLEMENTATION_VARIABLE)
+
+
 def _async_works(path):
-    """Whether to register the asynchronous operator: not if
-    ``GLUON_SYNCBN_ASYNC=0``; else if its part of ``selftest.py`` passed with
-    this library, since it relies on libmxnet's C++ ABI (see mxnet_abi.h)."""
-    if os.environ.get(ASYNC_VARIABLE, '1') == '0':
-        return False
+    """Whether to register the asynchronous operator: if its part of
+    ``selftest.py`` passed with this library, since it relies on libmxnet's
+    C++ ABI (see mxnet_abi.h)."""
     verdict = _selftest(path, 'async')
     if verdict != 'ok':
         warnings.warn(
-            'gluon_syncbn: the asynchronous CPU operator (and the GPU path\'s exchange operator) '
-            'failed its self-test with this MXNet build (%s). Using the custom '
-            'operators, about 3x the host cost per call. '
-            'Set %s=0 to silence this.' % (verdict, ASYNC_VARIABLE),
-            RuntimeWarning, stacklevel=4)
+            'gluon_syncbn: the native operators failed their self-test with this MXNet '
+            'build (%s). %s' % (verdict, FALLBACK), RuntimeWarning, stacklevel=4)
     return verdict == 'ok'
 
 
 def _exchange_works(path):
-    """Whether the GPU path takes the exchange operator: not if
-    ``GLUON_SYNCBN_EXCHANGE=0`` or without the asynchronous operator (same
-    ABI); else if its part of ``selftest.py`` passed: one layer on two devices
-    (two GPUs where there are, else two CPU contexts down the GPU path) against
-    NumPy, once per library and GPU driver."""
-    if os.environ.get(EXCHANGE_VARIABLE, '1') == '0' or _state['async'] is None:
+    """Whether the GPU path takes the exchange operator: not without the
+    asynchronous operator (same ABI); else if its part of ``selftest.py``
+    passed: one layer on two devices (two GPUs where there are, else two CPU
+    contexts down the GPU path) against NumPy, once per library and GPU
+    driver."""
+    if _state['async'] is None:
         return False
     verdict = _selftest(path, 'exchange')
     if verdict != 'ok':
         warnings.warn(
             'gluon_syncbn: the GPU path\'s exchange operator failed its self-test with this '
-            'MXNet build and driver (%s). Using the custom device operator, which copies '
-            'synchronously on MXNet\'s custom-operator threads. Set %s=0 to silence this.'
-            % (verdict, EXCHANGE_VARIABLE), RuntimeWarning, stacklevel=5)
+            'MXNet build and driver (%s). %s' % (verdict, FALLBACK), RuntimeWarning,
+            stacklevel=5)
     return verdict == 'ok'
 
 
@@ -324,11 +308,10 @@ def cause(lib):
     return buf.value.decode('utf-8', 'replace')
 
 
-def device_operator():
+def exchange_operator():
     """``{mx.nd: f, mx.sym: f}`` for the exchange operator (the GPU path), or
-    None: the custom device operator (``DEVICE_OP_TYPE``) is used. The one
-    place the GPU path's operator is chosen, at its first use: the exchange
-    operator where its self-test passed, unless turned off."""
+    None (the Python operator runs). Registered at the GPU path's first use,
+    where its self-test passed."""
     lib = load()
     if lib is not None and _state['exchange'] is None and not _state['exchange_checked']:
         _state['exchange_checked'] = True
@@ -339,6 +322,7 @@ def device_operator():
 
 
 def async_operator():
-    """``{mx.nd: f, mx.sym: f}`` for the asynchronous host operator, or None."""
+    """``{mx.nd: f, mx.sym: f}`` for the asynchronous operator (CPU contexts),
+    or None (the Python operator runs)."""
     load()
     return _state['async']

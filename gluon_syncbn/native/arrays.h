@@ -1,7 +1,6 @@
-// The arrays a custom-operator callback receives, read and written two ways:
-// in place (host memory: CPU contexts) or by copies through MXNet (any
-// device: what the device operator does on GPUs, and on CPU contexts under
-// GLUON_SYNCBN_DEVICE_PATH=1, so CI runs that code too).
+// Arrays in host memory, read and written in place by the native operators
+// (the asynchronous operator's data, the exchange operator's host staging),
+// and MXNet's own operators queued from C++.
 //
 // Every element is read and written as the dtype its array has: float16,
 // bfloat16, float32 or float64 (MXNet's own half_t and bf16_t conversions, so
@@ -24,11 +23,9 @@
 
 namespace {
 
-typedef int (*Fn)(void);
 // mshadow's dtype flags
 const int kFloat32 = 0, kFloat64 = 1, kFloat16 = 2, kInt32 = 4, kInt64 = 6, kBfloat16 = 12;
-const int kNull = 0, kAddTo = 3;                                            // OpReqType
-const int kInData = 0, kOutData = 1, kInGrad = 2, kOutGrad = 3, kAux = 4;   // callback tags
+const int kNull = 0, kAddTo = 3;  // OpReqType
 
 typedef mshadow::half::half_t Half;
 typedef mshadow::bfloat::bf16_t BFloat16;
@@ -64,17 +61,6 @@ struct Array {
   std::vector<int64_t> shape;
   int64_t size() const { int64_t s = 1; for (auto d : shape) s *= d; return s; }
 };
-
-Array view(NDArrayHandle h) {
-  Array a;
-  int ndim = 0;
-  const int64_t* dims = nullptr;
-  MXNDArrayGetShapeEx64(h, &ndim, &dims);
-  if (ndim > 0) a.shape.assign(dims, dims + ndim);
-  MXNDArrayGetDType(h, &a.dtype);
-  if (ndim > 0 && a.size() > 0) MXNDArrayGetData(h, &a.data);
-  return a;
-}
 
 // Element i of a, widened to double (NaN for a dtype dtype_problem refuses).
 double at(const Array& a, int64_t i) {
@@ -125,94 +111,6 @@ template <typename F> void for_each(const Layout& l, F f) {
 }
 
 
-// ------------------------------------------------------- copies through MXNet --
-// MXNDArraySyncCopyToCPU/FromCPU wait for the array's engine variable. The
-// arrays a callback gets have fresh variables of their own (AllocateNDArrayCopy),
-// so the waits end at once; on a GPU the copy runs on the engine's copy
-// workers. Return false with MXNet's error in `error`.
-
-std::vector<int64_t> shape_of(NDArrayHandle h) {
-  int ndim = 0;
-  const int64_t* dims = nullptr;
-  MXNDArrayGetShapeEx64(h, &ndim, &dims);
-  return ndim > 0 ? std::vector<int64_t>(dims, dims + ndim) : std::vector<int64_t>();
-}
-
-int64_t size_of(NDArrayHandle h) {
-  int64_t s = 1;
-  for (auto d : shape_of(h)) s *= d;
-  return s;
-}
-
-template <typename T> bool copy_in(NDArrayHandle h, int64_t size, std::vector<double>* out,
-                                   std::string* error) {
-  std::vector<T> buffer(size);
-  if (MXNDArraySyncCopyToCPU(h, buffer.data(), size) != 0) {
-    *error = MXGetLastError();
-    return false;
-  }
-  out->resize(size);
-  for (int64_t i = 0; i < size; ++i) (*out)[i] = static_cast<double>(buffer[i]);
-  return true;
-}
-
-bool read_copy(NDArrayHandle h, std::vector<double>* out, std::string* error) {
-  int dtype = kFloat32;
-  MXNDArrayGetDType(h, &dtype);
-  const int64_t size = size_of(h);
-  switch (dtype) {
-    case kFloat32: return copy_in<float>(h, size, out, error);
-    case kFloat64: return copy_in<double>(h, size, out, error);
-    case kFloat16: return copy_in<Half>(h, size, out, error);
-    case kBfloat16: return copy_in<BFloat16>(h, size, out, error);
-    case kInt32: return copy_in<int32_t>(h, size, out, error);
-    case kInt64: return copy_in<int64_t>(h, size, out, error);
-  }
-  *error = "unexpected " + dtype_label(dtype);
-  return false;
-}
-
-// read_copy of several arrays; stops at the first failure.
-bool read_copies(std::initializer_list<std::pair<NDArrayHandle, std::vector<double>*>> arrays,
-                 std::string* error) {
-  for (const auto& a : arrays)
-    if (!read_copy(a.first, a.second, error)) return false;
-  return true;
-}
-
-template <typename T> bool copy_out(NDArrayHandle h, const std::vector<double>& values,
-                                    std::string* error) {
-  std::vector<T> buffer;
-  for (double v : values) buffer.push_back(T(v));
-  if (MXNDArraySyncCopyFromCPU(h, buffer.data(), buffer.size()) != 0) {
-    *error = MXGetLastError();
-    return false;
-  }
-  return true;
-}
-
-// Store `values` (one per element) with request `req` (write or add).
-bool write_copy(NDArrayHandle h, std::vector<double> values, int req, std::string* error) {
-  if (req == kNull) return true;
-  if (req == kAddTo) {
-    std::vector<double> old;
-    if (!read_copy(h, &old, error)) return false;
-    for (size_t i = 0; i < values.size(); ++i) values[i] += old[i];
-  }
-  int dtype = kFloat32;
-  MXNDArrayGetDType(h, &dtype);
-  switch (dtype) {
-    case kFloat32: return copy_out<float>(h, values, error);
-    case kFloat64: return copy_out<double>(h, values, error);
-    case kFloat16: return copy_out<Half>(h, values, error);
-    case kBfloat16: return copy_out<BFloat16>(h, values, error);
-    case kInt32: return copy_out<int32_t>(h, values, error);
-    case kInt64: return copy_out<int64_t>(h, values, error);
-  }
-  *error = "unexpected " + dtype_label(dtype);
-  return false;
-}
-
 // Invoke MXNet operator `name` on `inputs` into `out`, queued on the engine
 // (not waited for). `keys`/`values`: its string arguments.
 bool invoke(const char* name, std::vector<NDArrayHandle> inputs, NDArrayHandle out,
@@ -225,32 +123,6 @@ bool invoke(const char* name, std::vector<NDArrayHandle> inputs, NDArrayHandle o
   return MXImperativeInvoke(op, static_cast<int>(inputs.size()), inputs.data(), &num_out,
                             &out_ptr, static_cast<int>(keys.size()), keys.data(),
                             values.data()) == 0;
-}
-
-// Queue `running = running * momentum + batch * (1 - momentum)` on `running`
-// (any device) with MXNet's own operators, without waiting: the
-// read-modify-write runs in engine order, after every operation already
-// issued on `running` and before every later one, however far the caller's
-// thread runs ahead. (Computing the new value from a read made now and
-// queueing a copy of it would lose an update queued in between.)
-bool running_update_async(NDArrayHandle running, const std::vector<double>& batch,
-                          double momentum, std::string* error) {
-  int dtype = kFloat32, dev_type = 1, dev_id = 0;
-  MXNDArrayGetDType(running, &dtype);
-  MXNDArrayGetContext(running, &dev_type, &dev_id);
-  uint32_t shape[1] = {static_cast<uint32_t>(batch.size())};
-  std::vector<double> share(batch.size());
-  for (size_t i = 0; i < batch.size(); ++i) share[i] = batch[i] * (1.0 - momentum);
-  char scalar[32];
-  std::snprintf(scalar, sizeof(scalar), "%.17g", momentum);
-  NDArrayHandle tmp = nullptr;
-  bool ok = MXNDArrayCreateEx(shape, 1, dev_type, dev_id, 0, dtype, &tmp) == 0 &&
-            write_copy(tmp, share, 1, error) &&
-            invoke("_mul_scalar", {running}, running, {"scalar"}, {scalar}) &&
-            invoke("elemwise_add", {running, tmp}, running, {}, {});
-  if (!ok && error->empty()) *error = MXGetLastError();
-  if (tmp) MXNDArrayFree(tmp);  // the queued addition holds its own reference
-  return ok;
 }
 
 }  // namespace

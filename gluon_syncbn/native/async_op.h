@@ -11,7 +11,7 @@
 //   backward: dy, x, gamma -> dx, d gamma, d beta
 //             BACKWARD exchange of call #k (its statistics kept in the state)
 //
-// The maths are maths.h's, as the custom host operator's, in float64 on
+// The maths are maths.h's (whole calls in host memory), in float64 on
 // arrays read and written as the dtypes they have (float16, bfloat16,
 // float32, float64: arrays.h), so no Cast surrounds the operator. MKL-DNN
 // inputs are reordered into arrays the call holds until it completes.

@@ -1,7 +1,7 @@
 // The exchange operator: the GPU path's synchronization step as an
 // asynchronous operator of MXNet's own kind (registered for cpu and gpu
-// contexts in MXNet's C++ registry, see mxnet_abi.h), in place of the custom
-// device operator's blocked threads and per-array synchronous copies.
+// contexts in MXNet's C++ registry, see mxnet_abi.h), with no thread blocked
+// and no synchronous copy.
 //
 //   forward:  packed [m1 | m2 | v | shape | gamma | beta] (the block's concat),
 //             m1, gamma, beta (their shapes only), running mean/var (mutated)
@@ -13,8 +13,8 @@
 // host staging (pinned memory for a GPU), then an engine operation that reads
 // the staging array, so it runs once the copy has completed; that operation
 // hands the host vector to exchange_async (session.h). The continuation (the
-// thread of the last device to arrive) computes scale and shift (device_op.h's
-// maths), writes them to host staging, CopyFromTo's them into a fresh-variable
+// thread of the last device to arrive) computes scale and shift (maths.h's
+// per-channel part), writes them to host staging, CopyFromTo's them into a fresh-variable
 // view of the output, queues the running statistics' read-modify-write with
 // MXNet's operators, and a last engine operation reading the output's view
 // (and the running statistics' views) completes the call. Every failure
@@ -30,7 +30,7 @@
 #pragma once
 #include "mxnet_abi.h"
 #include "async_op.h"
-#include "device_op.h"
+#include "maths.h"
 
 namespace {
 
@@ -120,9 +120,12 @@ bool copy_to(const mxnet::NDArray& from, const mxnet::NDArray& to, std::string* 
 }
 
 // Queue running = running * momentum + batch * (1 - momentum) on `running`
-// (an array on any device) with MXNet's operators, as arrays.h's
-// running_update_async does (the same rounding), but with the batch share
-// copied to the device by an engine copy instead of a synchronous one.
+// (an array on any device) with MXNet's own operators, without waiting: the
+// read-modify-write runs in engine order, after every operation already
+// issued on `running` and before every later one, however far the main
+// thread runs ahead (a new value computed from a read made now, then copied
+// in, would lose an update queued in between). The batch share reaches the
+// device by an engine copy.
 bool queue_running_update(const mxnet::NDArray& running, const std::vector<double>& batch,
                           double momentum, std::string* error) {
   const int64_t C = static_cast<int64_t>(batch.size());

@@ -1,7 +1,10 @@
-// The maths of a layer call in host memory, in float64, shared by the
-// operators that read and write their arrays in place (host_op.h,
-// async_op.h). What crosses devices is only the vectors of wire.h.
+// The maths of SyncBatchNorm in float64, in two parts: a whole layer call on
+// arrays in host memory (the asynchronous operator, async_op.h), and the
+// synchronization step on per-channel vectors, whose local moments MXNet's
+// operators computed on the device (the exchange operator, exchange_op.h).
+// What crosses devices is only the vectors of wire.h.
 #pragma once
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <vector>
@@ -11,6 +14,8 @@
 #include "wire.h"
 
 namespace {
+
+// ------------------------------------------------ whole calls in host memory --
 
 // This slice's moments: the mean first, then squared deviations from it, so
 // |mean| >> std loses nothing before the float64 merge. Returns the count
@@ -95,6 +100,101 @@ void write_gradients(const Params& p, const Layout& l, const Array& dy, const Ar
   for (int64_t c = 0; c < C; ++c) {
     if (req[1] != kNull) put(dgamma, c, p.fix_gamma ? 0.0 : sum_dy_xc[c] * inv_std[c], req[1]);
     if (req[2] != kNull) put(dbeta, c, sum_dy[c], req[2]);
+  }
+}
+
+// ------------------------------------------------- per-channel vectors --
+// The exchange operator's: the block hands over, per channel, m1 (the
+// centre), and row statistics of x - m1 and (x - m1)^2.
+
+// The local mean of each row statistic (rows, C): the block hands over one
+// value per (sample, channel) row, sums (row_sums) or means of equal rows.
+std::vector<double> local_mean(const std::vector<double>& rows, size_t C, double count,
+                               bool row_sums) {
+  std::vector<double> out(C, 0.0);
+  const size_t n_rows = rows.size() / C;
+  for (size_t r = 0; r < n_rows; ++r)
+    for (size_t c = 0; c < C; ++c) out[c] += rows[r * C + c];
+  for (auto& v : out) v /= row_sums ? count : static_cast<double>(n_rows);
+  return out;
+}
+
+double sample_count(const std::vector<double>& shape, size_t C) {
+  double size = 1;
+  for (double d : shape) size *= d;
+  return size / static_cast<double>(C);
+}
+
+// This device's mean and variance from the block's moments: m1 (the centre),
+// m2 (mean of x - m1) and v (mean of (x - m1)^2), row statistics (rows, C).
+void device_moments(const Params& p, const std::vector<double>& m1,
+                    const std::vector<double>& m2_rows, const std::vector<double>& v_rows,
+                    double count, std::vector<double>* mean, std::vector<double>* var) {
+  const size_t C = m1.size();
+  std::vector<double> m2 = local_mean(m2_rows, C, count, p.row_sums),
+                      v = local_mean(v_rows, C, count, p.row_sums);
+  mean->assign(C, 0.0);
+  var->assign(C, 0.0);
+  for (size_t c = 0; c < C; ++c) {
+    (*mean)[c] = m1[c] + m2[c];
+    (*var)[c] = std::max(v[c] - m2[c] * m2[c], 0.0);
+  }
+}
+
+// The scale and shift that normalize x - m1 with the group's statistics.
+void scale_shift(const Params& p, const Info& stats, const std::vector<double>& m1,
+                 const std::vector<double>& gamma, const std::vector<double>& beta,
+                 std::vector<double>* scale, std::vector<double>* shift) {
+  const size_t C = m1.size();
+  scale->assign(C, 0.0);
+  shift->assign(C, 0.0);
+  for (size_t c = 0; c < C; ++c) {
+    double inv_std = 1.0 / std::sqrt(stats.var[c] + p.eps);
+    (*scale)[c] = (p.fix_gamma ? 1.0 : gamma[c]) * inv_std;
+    // Centred on m1: the large offset never meets the data again.
+    (*shift)[c] = beta[c] - (stats.mean[c] - m1[c]) * (*scale)[c];
+  }
+}
+
+// Backward, before the exchange: from d scale and d shift, this device's
+// sum dy*(x - mean) and d gamma (gamma becomes 1 under fix_gamma; d beta is
+// d shift). An empty slice adds nothing (MXNet leaves reductions over size-0
+// arrays unwritten: its d scale, d shift are not even zeros).
+void backward_local(const Params& p, const Info& stats, const std::vector<double>& m1,
+                    double count, std::vector<double>* gamma, std::vector<double>* d_scale,
+                    std::vector<double>* d_shift, std::vector<double>* inv_std,
+                    std::vector<double>* sum_dy_xc, std::vector<double>* d_gamma) {
+  const size_t C = m1.size();
+  if (count == 0) {
+    d_scale->assign(C, 0.0);
+    d_shift->assign(C, 0.0);
+  }
+  inv_std->assign(C, 0.0);
+  sum_dy_xc->assign(C, 0.0);
+  d_gamma->assign(C, 0.0);
+  for (size_t c = 0; c < C; ++c) {
+    if (p.fix_gamma) (*gamma)[c] = 1.0;
+    (*inv_std)[c] = 1.0 / std::sqrt(stats.var[c] + p.eps);
+    (*sum_dy_xc)[c] = (*d_scale)[c] - (*d_shift)[c] * (stats.mean[c] - m1[c]);
+    (*d_gamma)[c] = p.fix_gamma ? 0.0 : (*sum_dy_xc)[c] * (*inv_std)[c];
+  }
+}
+
+// Backward, after the exchange (`total`: the group's BACKWARD sums): through
+// the global mean and variance to this device's m2 and v.
+void backward_moments(const Info& stats, const std::vector<double>& m1,
+                      const std::vector<double>& gamma, const std::vector<double>& inv_std,
+                      const std::vector<double>& total, double count,
+                      std::vector<double>* d_m2, std::vector<double>* d_v) {
+  const size_t C = m1.size();
+  d_m2->assign(C, 0.0);
+  d_v->assign(C, 0.0);
+  const double w = count / stats.n;
+  for (size_t c = 0; c < C; ++c) {
+    double g_delta = -total[c] * gamma[c] * inv_std[c];
+    double g_var = -0.5 * total[C + c] * gamma[c] * std::pow(inv_std[c], 3);
+    (*d_m2)[c] = g_delta * w + g_var * 2.0 * w * (m1[c] - stats.mean[c]);
+    (*d_v)[c] = g_var * w;
   }
 }
 

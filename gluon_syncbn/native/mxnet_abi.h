@@ -15,9 +15,8 @@
 //     after NodeAttrs::dict sit 8 bytes earlier in libmxnet. Nodes are made
 //     by libmxnet (NNSymbolCreateAtomicSymbol) and wired through NodeLayout;
 //     NodeAttrs::dict is only iterated (its leading fields agree).
-// native/__init__.py checks these facts in a subprocess before the library
-// registers anything (gsbn_abi_selftest), and keeps to the custom operator
-// otherwise.
+// native/selftest.py checks these facts in a subprocess before the library
+// registers either operator; where it fails, the Python operator runs.
 #pragma once
 #include <functional>  // the standard headers MXNet's use, before the #define
 #include <iostream>

@@ -1,4 +1,4 @@
-"""Run in a subprocess by ``native.load()`` and ``native.device_operator()``:
+"""Run in a subprocess by ``native.load()`` and ``native.exchange_operator()``:
 does the asynchronous operator (``python -m gluon_syncbn.native.selftest
 async``) or the exchange operator (``... exchange``) work with this MXNet
 build? Both rely on libmxnet's C++ ABI (see ``mxnet_abi.h``); a build whose
@@ -108,7 +108,7 @@ def check_exchange(x, w, gamma, beta, eps, expected):
             ys = [layer(a) for a in xs]
         autograd.backward(ys, [mx.nd.array(w[:1], ctx=ctxs[0], dtype='float64'),
                                mx.nd.array(w[1:], ctx=ctxs[1], dtype='float64')])
-        if layer._sync_group().operator != 'device' or native.device_operator() is None:
+        if layer._sync_group().operator != 'exchange' or native.exchange_operator() is None:
             sys.exit('the layer did not take the exchange operator')
         total = lambda p: sum(p.grad(c).asnumpy() for c in ctxs)  # noqa: E731
         got = [np.concatenate([y.asnumpy() for y in ys]),

@@ -1,6 +1,8 @@
 // The session and the call-order barrier of the native operators: which step
 // a call belongs to, how the k-th calls of the devices meet, and how a step
-// fails. Shared by host_op.h and device_op.h; included once, by syncbn.cc.
+// fails. Nothing here waits: a device's call hands its vector over with a
+// continuation, which runs once the exchange is complete or has failed.
+// Included once, by syncbn.cc.
 #pragma once
 #include <mxnet/c_api.h>
 
@@ -49,7 +51,7 @@ void record_locked(const std::string& kind, const std::string& message) {
   g_errors.push_back(entry);
 }
 
-// An asynchronous device's continuation: called once, with the error or
+// A device's continuation: called once, with the error or
 // with its sync group's sum, after the lock is released (run_pending).
 typedef std::function<void(const std::string& error, const std::vector<double>& sum)> Waiter;
 
@@ -61,9 +63,8 @@ struct Exchange {
   bool done = false;
   std::string error, kind;                  // non-empty: failed with this cause
   std::vector<double> result;
-  std::condition_variable cv;               // blocking devices wait on it
-  std::vector<std::pair<int, Waiter>> waiters;  // asynchronous devices
-  std::chrono::steady_clock::time_point deadline;  // theirs
+  std::vector<std::pair<int, Waiter>> waiters;  // the devices' continuations
+  std::chrono::steady_clock::time_point deadline;
   Exchange(uint64_t t, int n) : token(t), values(n), dtypes(n) {}
 };
 
@@ -87,7 +88,7 @@ std::vector<std::tuple<Waiter, std::string, std::vector<double>>>& g_pending =
 
 void release_locked(Group& g, const Key& key, const std::shared_ptr<Exchange>& ex);
 
-// Hand an exchange's asynchronous devices their outcome (lock held).
+// Hand an exchange's devices their outcome (lock held).
 void dispatch_locked(Group& g, const Key& key, const std::shared_ptr<Exchange>& ex) {
   const size_t size = ex->error.empty() ? ex->result.size() / g.num_subgroups : 0;
   for (auto& w : ex->waiters) {
@@ -130,7 +131,6 @@ void abort_locked(const std::string& cause, const std::string& kind = "SyncBatch
       if (!e.second->done && e.second->error.empty()) {
         e.second->error = in_layer(g.second->name, cause);
         e.second->kind = kind;
-        e.second->cv.notify_all();
         failed.emplace_back(e.first, e.second);
       }
     for (auto& f : failed) dispatch_locked(*g.second, f.first, f.second);
@@ -227,7 +227,6 @@ std::string combine_locked(Group& g, const Key& key, const std::shared_ptr<Excha
              "empty" + (g.num_subgroups > 1 ? " in sync group " + std::to_string(s) : "") +
              "; there is nothing to normalize. Skip empty batches.";
   ex->done = true;
-  ex->cv.notify_all();
   dispatch_locked(g, key, ex);
   return "";
 }
@@ -242,54 +241,6 @@ std::string timeout_message(const Group& g, const Key& key, const Exchange& ex) 
          (std::get<0>(key) == 0 ? "forward" : "backward") + " call #" +
          std::to_string(std::get<2>(key)) + " within " + std::to_string(g.timeout) +
          "s; missing: " + join(g.devices, missing) + ". " + g.hint;
-}
-
-// Blocking: waits on the calling thread (the custom operators' threads).
-bool exchange_blocking(Group& g, const Key& key, int device, std::vector<double> value,
-                       const std::string& dtype, std::vector<double>* result,
-                       std::string* error) {
-  auto deadline = std::chrono::steady_clock::now() +
-                  std::chrono::duration_cast<std::chrono::steady_clock::duration>(
-                      std::chrono::duration<double>(g.timeout));
-  std::unique_lock<std::mutex> lock(g_mutex);
-  if (std::get<1>(key) != g_token) {
-    *error = stale_message(g.name);
-    record_locked("SyncBatchNormError", *error);
-    return false;
-  }
-  const int n = static_cast<int>(g.devices.size());
-  std::shared_ptr<Exchange> ex = slot_locked(g, key);
-  ex->values[device] = std::move(value);
-  ex->dtypes[device] = dtype;
-  std::string failure, kind = "SyncBatchNormError";
-  if (++ex->arrived == n && ex->error.empty()) failure = combine_locked(g, key, ex);
-  while (failure.empty() && !ex->done && ex->error.empty()) {
-    if (ex->cv.wait_until(lock, deadline) == std::cv_status::timeout &&
-        !ex->done && ex->error.empty()) {
-      failure = timeout_message(g, key, *ex);
-      kind = "SyncBatchNormTimeout";
-    }
-  }
-  if (!failure.empty()) {
-    abort_locked(failure, kind);  // this exchange and every other waiting call of the step
-  }
-  release_locked(g, key, ex);
-  if (!ex->error.empty()) {
-    record_locked(ex->kind, ex->error);  // each device's MXNetError names the cause
-    *error = ex->error;
-    return false;
-  }
-  const size_t size = ex->result.size() / g.num_subgroups;
-  result->assign(ex->result.begin() + g.subgroup[device] * size,
-                 ex->result.begin() + (g.subgroup[device] + 1) * size);
-  return true;
-}
-
-bool exchange(Group& g, const Key& key, int device, std::vector<double> value,
-              const std::string& dtype, std::vector<double>* result, std::string* error) {
-  bool ok = exchange_blocking(g, key, device, std::move(value), dtype, result, error);
-  run_pending();  // an abort here may have failed asynchronous devices
-  return ok;
 }
 
 // ------------------------------------------------------------- watchdog --
@@ -329,7 +280,7 @@ void watchdog() {
   }
 }
 
-// Asynchronous: `done` runs once, on whichever thread completes the exchange
+// `done` runs once, on whichever thread completes the exchange
 // (the last device to arrive, an abort, or the watchdog at the deadline).
 void exchange_async(Group& g, const Key& key, int device, std::vector<double> value,
                     const std::string& dtype, Waiter done) {
@@ -359,12 +310,6 @@ void exchange_async(Group& g, const Key& key, int device, std::vector<double> va
     }
   }
   run_pending();
-}
-
-int fail(const std::string& kind, const std::string& message) {
-  std::lock_guard<std::mutex> lock(g_mutex);
-  record_locked(kind, message);
-  return 0;  // MXNet raises its generic custom-op error; Python appends ours
 }
 
 std::shared_ptr<Group> find_group(const std::string& id, std::string* error) {

@@ -1,39 +1,28 @@
-// The native SyncBatchNorm operators. Three operators, one session and
-// barrier:
-//   async_op.h   CPU contexts: the whole layer call as an operator of MXNet's
-//                own kind (its C++ registry, through mxnet_abi.h): it runs on
-//                the device's engine worker, returns at once and completes when
-//                the devices have met; nothing waits, no custom-operator threads;
-//   host_op.h    CPU contexts, where async_op.h's ABI self-test failed: the
-//                same call as a custom operator (MXCustomOpRegister, the C API),
-//                blocking on MXNet's custom-operator threads, as the Python
-//                operator in op.py does (see docs/design.md, "The engine hazard");
+// The native SyncBatchNorm operators: two operators of MXNet's own kind
+// (registered in its C++ registry through mxnet_abi.h), one session and
+// barrier. Neither is a custom operator and no thread ever waits in them:
+//   async_op.h    CPU contexts: the whole layer call; it runs on the device's
+//                 engine worker, returns at once and completes when the
+//                 devices have met;
 //   exchange_op.h GPUs: MXNet's operators compute the local moments on the
-//                device; this asynchronous operator of MXNet's own kind (cpu and
-//                gpu) exchanges the packed per-channel vector through MXNet's
-//                engine copies, with no thread waiting;
-//   device_op.h  GPUs, where exchange_op.h's ABI self-test failed: the same
-//                step as a custom operator, with synchronous copies.
-//   session.h    the step token, the call-order barrier (blocking for the custom
-//                operators, with continuations for async_op.h, whose deadlines a
-//                watchdog thread keeps), recovery: every failure (a timeout,
-//                devices that disagree, a call of an aborted step) aborts the
-//                step; the token advances, every waiting exchange fails at once
-//                with the cause, and the cause is queued for Python
-//                (gsbn_take_errors). Python's Session calls gsbn_abort for
-//                failures it sees first. One token, one path.
-//   wire.h       the exchanged vectors' layouts (gluon_syncbn/wire.py's).
-//   arrays.h     reading and writing arrays: in place, or by copies through MXNet.
-//   operator.h   arguments, instances and property callbacks of the custom ones.
-//   mxnet_abi.h  every reliance on libmxnet's C++ ABI.
+//                 device; this operator (cpu and gpu) exchanges the packed
+//                 per-channel vector through MXNet's engine copies;
+//   session.h     the step token, the call-order barrier (continuations, whose
+//                 deadlines a watchdog thread keeps), recovery: every failure
+//                 (a timeout, devices that disagree, a call of an aborted step)
+//                 aborts the step; the token advances, every waiting exchange
+//                 fails at once with the cause, and the cause is queued for
+//                 Python (gsbn_take_errors). Python's Session calls gsbn_abort
+//                 for failures it sees first. One token, one path.
+//   maths.h       the maths in float64: whole calls, and per-channel vectors.
+//   wire.h        the exchanged vectors' layouts (gluon_syncbn/wire.py's).
+//   arrays.h      reading and writing host arrays as the dtypes they have.
+//   operator.h    arguments, instances, failed operations, MXNet's error list.
+//   mxnet_abi.h   every reliance on libmxnet's C++ ABI.
 //
-// Reliance on MXNet 1.9.1 behaviour (listed with the Python ones in
-// gluon_syncbn/mxnet_private.py): the arrays a custom-operator callback gets
-// are fresh NDArrays over the operator's own default-layout memory (custom.cc
-// AllocateNDArrayCopy after CreateDefaultInputs), so raw pointers are safe and
-// waiting on them cannot deadlock; a callback returns 1 for success and must
-// MXNDArrayFree every handle; mxnet::Context is {int32 dev_type, int32 dev_id};
-// an asynchronous operator's completion may be called from any thread.
+// Reliance on MXNet 1.9.1 behaviour is listed with the Python side's in
+// gluon_syncbn/mxnet_private.py; an asynchronous operator's completion may be
+// called from any thread.
 #include "mxnet_abi.h"  // first: its #define must precede every MXNet header
 
 #include <mxnet/c_api.h>
@@ -45,23 +34,7 @@
 #include <string>
 
 #include "async_op.h"
-#include "device_op.h"
 #include "exchange_op.h"
-#include "host_op.h"
-
-namespace {
-
-int host_prop(const char*, const int num, const char** keys, const char** values,
-              MXCallbackList* ret) {
-  return create_prop(&HOST_OP, num, keys, values, ret);
-}
-
-int device_prop(const char*, const int num, const char** keys, const char** values,
-                MXCallbackList* ret) {
-  return create_prop(&DEVICE_OP, num, keys, values, ret);
-}
-
-}  // namespace
 
 // ----------------------------------------------------- interface to Python --
 // Loaded with ctypes by gluon_syncbn/native/__init__.py. Strings are UTF-8.
@@ -80,18 +53,12 @@ int gsbn_register_exchange() {
   return 0;
 }
 
-// Registers the host and the device operator under these names; 0 on success.
-int gsbn_register(const char* host_type, const char* device_type) {
-  return MXCustomOpRegister(host_type, host_prop) || MXCustomOpRegister(device_type, device_prop);
-}
-
 // Makes room in MXNet's list of engine errors (see reserve_engine_errors);
 // called once, before the first layer's first call.
 void gsbn_reserve_engine_errors() { reserve_engine_errors(kReservedEngineErrors); }
 
-// Fails the custom-operator call that got `array` with `message`, as the
-// native custom operators' failed_call does (for the Python operator; see
-// operator.h); 0 if the failure was queued.
+// Fails the Python operator's call that got `array` with `message` (see
+// operator.h, fail_array); 0 if the failure was queued.
 int gsbn_fail_array(NDArrayHandle array, const char* message) {
   return fail_array(array, message);
 }
@@ -113,6 +80,9 @@ void gsbn_group_create(const char* id, const char* name, const char* devices, in
   g_groups[id] = g;
 }
 
+// static_shape graphs: device `device`'s running mean and variance arrays (the
+// Parameter's own NDArrays, whose handles the Python group keeps valid), which
+// the exchange operator updates in engine order.
 void gsbn_group_set_running(const char* id, int device, NDArrayHandle mean, NDArrayHandle var) {
   std::lock_guard<std::mutex> lock(g_mutex);
   auto it = g_groups.find(id);

@@ -7,8 +7,6 @@
 
 namespace {
 
-const int kInfoHead = 3;  // INFO: token, call, n, then mean (C), var (C)
-
 // FORWARD: [n, n*mean (C), n*(var + mean^2) (C)]
 std::vector<double> pack_forward(double count, const std::vector<double>& mean,
                                  const std::vector<double>& var) {
@@ -51,23 +49,5 @@ struct Info {
   double token = -1, call = -1, n = 0;  // call < 0: a call made in inference mode
   std::vector<double> mean, var;
 };
-
-std::vector<double> pack_info(const Info& info) {
-  std::vector<double> v = {info.token, info.call, info.n};
-  v.insert(v.end(), info.mean.begin(), info.mean.end());
-  v.insert(v.end(), info.var.begin(), info.var.end());
-  return v;
-}
-
-Info unpack_info(const std::vector<double>& v) {
-  Info info;
-  const size_t C = (v.size() - kInfoHead) / 2;
-  info.token = v[0];
-  info.call = v[1];
-  info.n = v[2];
-  info.mean.assign(v.begin() + kInfoHead, v.begin() + kInfoHead + C);
-  info.var.assign(v.begin() + kInfoHead + C, v.end());
-  return info;
-}
 
 }  // namespace
