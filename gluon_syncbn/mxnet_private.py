@@ -38,25 +38,28 @@ Failures
       calls fail together, some complete as if they had succeeded (their
       outputs unwritten) and two writes can free the slot twice. But a custom
       operator completes by rethrowing any exception on the engine variables
-      of its callback's arrays (``Engine::Throw``), so a failed call makes an
-      engine operation fail on one of them and returns success:
-      ``native/operator.h`` ``fail_array`` (an operation completed with the
-      error, through ``MXEnginePushAsyncND``), or without the native library
-      :func:`fail_custom_call`'s ``take`` in ``raise`` mode, whose check fails
-      at run time.
+      of its callback's arrays (``Engine::Throw``, in ``CustomOperatorWait``,
+      which reads every one of them), so a failed call makes an engine
+      operation fail on one of them and returns success:
+      :func:`fail_custom_call`, through the native library's held operations
+      (``native/failures.h``) or, without it, a ``take`` in ``raise`` mode,
+      whose check fails at run time.
     * The engine keeps failed operations' errors in one list per process
       (``threaded_engine.h``, ``AddToGlobalExceptions``), appended from the
       thread that completes a failure and searched from every thread that
       starts an operation on a failed array, without a lock; the next
       ``waitall`` walks it. Concurrent appends, or an append that moves the
       list under a search, corrupt it, and ``waitall`` then crashes. The native
-      operators fail operations one at a time (``fail_operation``) and grow
-      the list once before their first call (``reserve_engine_errors``). A
-      custom operator cannot: MXNet completes each failed one with a new error
-      on that device's worker thread (``custom-inl.h``,
-      ``CustomOperatorWait``), so several devices failing at once can append
-      together. Hence no native operator is a custom operator; the Python
-      operator (the fallback) stays exposed.
+      library fails operations one at a time (``fail_operation``) and grows
+      the list once before the first layer's first call
+      (``reserve_engine_errors``). A failed custom operator is completed by
+      MXNet with a new error on that device's worker thread
+      (``CustomOperatorWait``), so the native library lets the Python
+      operator's failed calls complete one after another: each call's failing
+      operation is held until its ``CustomOperatorWait`` is queued (an
+      operation writing another of its arrays is held back then) and the one
+      before has completed. Without the native library (no compiler) the
+      Python operator's calls failing together stay exposed.
     * MXNet's text for such a failure is its own (:data:`FAILED_CALL_TEXT`, or
       ``Check failed ... kCustomOpProp`` for a property callback that fails on
       the main thread). ``hooks`` puts our cause in its place or after it in
@@ -152,20 +155,22 @@ def host_view(arr):
 FAILED_CALL_TEXT = 'take operator contains indices out of bound'
 
 
-def fail_custom_call(arr, failure, lib=None):
-    """Fail the custom-operator call that got ``arr`` (one of its callback's
-    arrays) with the exception ``failure``, and that call alone; the callback
-    then returns normally. ``lib``: the native library, whose failed
-    operations queue one at a time; without it a ``take`` fails, whose text
+def fail_custom_call(hold, probe, failure, lib=None):
+    """Fail the custom-operator call whose callback got ``hold`` and ``probe``
+    (two different arrays of it) with the exception ``failure``, and that
+    call alone; the callback then returns normally. ``lib``: the native
+    library, which completes such failures one after another (native
+    ``failures.h``); without it a ``take`` fails on ``hold``, whose text
     ``hooks`` replaces with ``failure`` (recorded by ``errors.record_failure``
     first)."""
     text = '%s: %s' % (type(failure).__name__, failure)
-    if lib is not None and lib.gsbn_fail_array(arr.handle, text.encode('utf-8', 'replace')) == 0:
+    if lib is not None and lib.gsbn_fail_python_call(
+            hold.handle, probe.handle, text.encode('utf-8', 'replace')) == 0:
         return
     import mxnet as mx
-    source = mx.nd.zeros((1,), ctx=arr.context, dtype=arr.dtype)
-    out_of_bounds = mx.nd.ones(arr.shape, ctx=arr.context)
-    mx.nd.take(source, out_of_bounds, mode='raise', out=arr)
+    source = mx.nd.zeros((1,), ctx=hold.context, dtype=hold.dtype)
+    out_of_bounds = mx.nd.ones(hold.shape, ctx=hold.context)
+    mx.nd.take(source, out_of_bounds, mode='raise', out=hold)
 
 
 def operator_functions(op_name):

@@ -97,14 +97,14 @@ class SyncBatchNormOp(mx.operator.CustomOp):
             self._forward(is_train, req, in_data, out_data, aux)
         except Exception as exc:  # pylint: disable=broad-except
             record_failure(exc)
-            fail_custom_call(in_data[0], exc, SESSION._native)
+            fail_custom_call(in_data[0], in_data[1], exc, SESSION._native)
 
     def backward(self, req, out_grad, in_data, out_data, in_grad, aux):
         try:
             self._backward(req, out_grad, in_data, out_data, in_grad, aux)
         except Exception as exc:  # pylint: disable=broad-except
             record_failure(exc)
-            fail_custom_call(in_grad[0], exc, SESSION._native)
+            fail_custom_call(in_grad[0], in_grad[1], exc, SESSION._native)
 
     def _forward(self, is_train, req, in_data, out_data, aux):
         m1 = _read(in_data[0])

@@ -74,9 +74,10 @@ class Session(object):
             for kind, m in native.take_errors(lib)])
 
     def prepare_engine(self):
-        """Once, before the first call of a native operator: room in MXNet's
-        list of engine errors, so their failures never move it under a search
-        (native ``operator.h`` ``reserve_engine_errors``; :mod:`mxnet_private`)."""
+        """Once, before the first layer's first call, where the native library
+        is loaded: room in MXNet's list of engine errors, so failures never
+        move it under a search (native ``failures.h``
+        ``reserve_engine_errors``; :mod:`mxnet_private`)."""
         if self._native is not None and not self._engine_ready:
             self._engine_ready = True
             self._native.gsbn_reserve_engine_errors()
@@ -263,8 +264,7 @@ class SyncGroup(object):
                 self.operator = 'async' if native.async_operator() else 'python'
             else:
                 self.operator = 'exchange' if native.exchange_operator() else 'python'
-        if self.operator != 'python':
-            SESSION.prepare_engine()
+        SESSION.prepare_engine()
         self._running_arrays = []
         if self.operator != 'python':
             subgroups = (ctypes.c_int * len(self.devices))(*self.subgroup_of)

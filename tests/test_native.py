@@ -144,11 +144,25 @@ def test_asking_for_native_without_a_compiler_is_an_error(tmp_path):
            'not available: no C++ compiler' in out.stderr, out.stderr[-3000:]
 
 
-def test_python_operator_on_request_builds_nothing(tmp_path):
-    out = python(TWO_DEVICE_STEP, GLUON_SYNCBN_CACHE=str(tmp_path), GLUON_SYNCBN_OPERATOR='python')
+def test_python_operator_on_request_registers_nothing_and_stays_quiet(tmp_path):
+    # The library is built and loaded for the session and the Python
+    # operator's failed calls (failures.h), but registers no operator and
+    # runs no self-test; without a compiler the same, silently.
+    code = TWO_DEVICE_STEP + (
+        "from gluon_syncbn import native\n"
+        "print('NATIVE', native.load() is not None, native.async_operator() is None)\n")
+    out = python(code, GLUON_SYNCBN_CACHE=str(tmp_path / 'a'), GLUON_SYNCBN_OPERATOR='python')
     assert reported(out, 'OPERATOR') == 'python'
     assert float(reported(out, 'ERROR')) < 1e-5
-    assert not os.listdir(tmp_path)
+    assert reported(out, 'NATIVE') == 'True True'
+    folder = tmp_path / 'a' / os.listdir(tmp_path / 'a')[0]
+    assert [name[-3:] for name in os.listdir(folder)] == ['.so'], os.listdir(folder)
+    bare = python(code, GLUON_SYNCBN_CACHE=str(tmp_path / 'b'), GLUON_SYNCBN_OPERATOR='python',
+                  CXX='/nonexistent/c++')
+    assert reported(bare, 'OPERATOR') == 'python'
+    assert float(reported(bare, 'ERROR')) < 1e-5
+    assert reported(bare, 'NATIVE') == 'False True'
+    assert 'RuntimeWarning' not in bare.stderr, bare.stderr[-2000:]
 
 
 def test_bad_operator_choice_names_the_variable():

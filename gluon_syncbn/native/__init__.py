@@ -25,7 +25,10 @@ run the Python operator, with one warning.
 ``native``
     the native operator, or an error saying why it cannot be built;
 ``python``
-    the Python operator (``gluon_syncbn.op``), nothing is built.
+    the Python operator (``gluon_syncbn.op``) for every layer. The library is
+    still built and loaded where it can be, quietly, for the step session and
+    for completing the Python operator's failed calls one after another
+    (``failures.h``); it registers no operator.
 
 Across processes (kvstore, Horovod) the Python operator always runs: its
 transports are Python.
@@ -182,7 +185,7 @@ def _declare(lib):
     lib.gsbn_group_remove.restype = None
     lib.gsbn_reserve_engine_errors.argtypes = []
     lib.gsbn_reserve_engine_errors.restype = None
-    lib.gsbn_fail_array.argtypes = [c.c_void_p, c.c_char_p]
+    lib.gsbn_fail_python_call.argtypes = [c.c_void_p, c.c_void_p, c.c_char_p]
     lib.gsbn_token.restype = c.c_uint64
     lib.gsbn_begin_step.restype = None
     lib.gsbn_abort.argtypes = [c.c_char_p]
@@ -192,14 +195,13 @@ def _declare(lib):
 
 
 def load():
-    """The loaded native library, or None if the Python operator is to be used.
+    """The loaded native library, or None where it cannot be had.
 
     Builds it on first use. Warns once when ``auto`` falls back; raises
     :class:`SyncBatchNormError` when ``native`` was asked for and cannot be had.
+    With ``python`` no operator is registered and nothing warns.
     """
     choice = implementation()
-    if choice == 'python':
-        return None
     if _state['lib'] is None and _state['why_not'] is None:
         try:
             path = library_path()
@@ -209,7 +211,7 @@ def load():
             _declare(lib)
             _state['lib'] = lib
             _state['path'] = path
-            if _async_works(path) and lib.gsbn_register_async() == 0:
+            if choice != 'python' and _async_works(path) and lib.gsbn_register_async() == 0:
                 from ..mxnet_private import operator_functions
                 _state['async'] = operator_functions(ASYNC_OP)
         except (NativeUnavailable, OSError) as exc:
@@ -243,13 +245,10 @@ def _async_works(path):
 
 
 def _exchange_works(path):
-    """Whether the GPU path takes the exchange operator: not without the
-    asynchronous operator (same ABI); else if its part of ``selftest.py``
-    passed: one layer on two devices (two GPUs where there are, else two CPU
-    contexts down the GPU path) against NumPy, once per library and GPU
-    driver."""
-    if _state['async'] is None:
-        return False
+    """Whether the GPU path takes the exchange operator: if its part of
+    ``selftest.py`` passed: one layer on two devices (two GPUs where there
+    are, else two CPU contexts down the GPU path) against NumPy, once per
+    library and GPU driver."""
     verdict = _selftest(path, 'exchange')
     if verdict != 'ok':
         warnings.warn(
@@ -311,9 +310,10 @@ def cause(lib):
 def exchange_operator():
     """``{mx.nd: f, mx.sym: f}`` for the exchange operator (the GPU path), or
     None (the Python operator runs). Registered at the GPU path's first use,
-    where its self-test passed."""
+    where its self-test passed, and only with the asynchronous operator (the
+    same reliance on libmxnet's ABI, checked first)."""
     lib = load()
-    if lib is not None and _state['exchange'] is None and not _state['exchange_checked']:
+    if lib is not None and _state['async'] is not None and not _state['exchange_checked']:
         _state['exchange_checked'] = True
         if _exchange_works(_state['path']) and lib.gsbn_register_exchange() == 0:
             from ..mxnet_private import operator_functions

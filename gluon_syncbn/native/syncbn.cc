@@ -17,7 +17,9 @@
 //   maths.h       the maths in float64: whole calls, and per-channel vectors.
 //   wire.h        the exchanged vectors' layouts (gluon_syncbn/wire.py's).
 //   arrays.h      reading and writing host arrays as the dtypes they have.
-//   operator.h    arguments, instances, failed operations, MXNet's error list.
+//   operator.h    arguments and instances of the two operators.
+//   failures.h    how failed operations complete (MXNet's unlocked error list),
+//                 the Python operator's included.
 //   mxnet_abi.h   every reliance on libmxnet's C++ ABI.
 //
 // Reliance on MXNet 1.9.1 behaviour is listed with the Python side's in
@@ -57,10 +59,11 @@ int gsbn_register_exchange() {
 // called once, before the first layer's first call.
 void gsbn_reserve_engine_errors() { reserve_engine_errors(kReservedEngineErrors); }
 
-// Fails the Python operator's call that got `array` with `message` (see
-// operator.h, fail_array); 0 if the failure was queued.
-int gsbn_fail_array(NDArrayHandle array, const char* message) {
-  return fail_array(array, message);
+// Fails the Python operator's call whose callback got the arrays `hold` and
+// `probe` with `message`, after the calls failed before it (see failures.h,
+// fail_python_call); 0 if the failure was queued.
+int gsbn_fail_python_call(NDArrayHandle hold, NDArrayHandle probe, const char* message) {
+  return fail_python_call(hold, probe, message);
 }
 
 // A layer's devices (NUL-separated names) and each one's sync group.
