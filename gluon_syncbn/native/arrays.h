@@ -12,10 +12,7 @@
 #include <mshadow/half.h>
 
 #include <cmath>
-#include <cstdio>
 #include <cstdint>
-#include <initializer_list>
-#include <utility>
 #include <string>
 #include <vector>
 
