@@ -521,8 +521,12 @@ def amp_training(sizes=(1, 3), steps=3, hybridize=False, amp=True, save=None, se
                                                    ref.collect_params().values())):
                 if p.grad_req == 'null':
                     continue
-                ours = sum(p.grad(c).asnumpy().astype(np.float64) for c in ctxs)
-                errs.note('grad', ours, rp.grad().asnumpy())
+                try:
+                    ours = sum(p.grad(c).asnumpy().astype(np.float64) for c in ctxs)
+                    errs.note('grad', ours, rp.grad().asnumpy())
+                except mx.base.MXNetError as exc:
+                    # Which gradient: ours (the layer's) or MKL-DNN's (convolutions).
+                    raise RuntimeError('reading the gradient of %s: %s' % (name, exc))
                 grads['ours%d' % i] = ours / scale
                 grads['ref%d' % i] = rp.grad().asnumpy().astype(np.float64) / scale
             if save:
