@@ -1,7 +1,7 @@
 """Exceptions raised by gluon_syncbn, and the record of recent failures.
 
-MXNet runs custom operators on its own threads, and the error a failed call
-raises at the next synchronization point is MXNet's own text, not ours (see
+MXNet runs operators on its own threads, and the error a failed call raises
+at the next synchronization point is MXNet's own text, not ours (see
 ``mxnet_private``, "Failures"). Every failure is therefore recorded here;
 :mod:`gluon_syncbn.hooks` adds it to the text of that ``MXNetError``.
 """

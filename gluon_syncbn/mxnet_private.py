@@ -100,10 +100,10 @@ bfloat16 (``dtype_name``)
     its operator wrappers take that dtype (and not the string 'bfloat16').
 
 MXNet's C++ registry (``native/mxnet_abi.h``, ``native/async_op.h``)
-    The asynchronous operator is registered from our library into
-    ``dmlc::Registry<nnvm::Op>``, with the layouts of the wheel's build (GCC
-    4.8's ``std::function`` invokers and ``unordered_map``), checked once per
-    build by ``native/selftest.py``; :func:`operator_functions` makes its
+    The asynchronous operator (CPU contexts) and the exchange operator (GPUs)
+    are registered from our library into ``dmlc::Registry<nnvm::Op>``, with
+    the layouts of the wheel's build (GCC 4.8's ``std::function`` invokers and
+    ``unordered_map``), each checked once per build by ``native/selftest.py``; :func:`operator_functions` makes its
     Python functions with MXNet's generators (``_make_ndarray_function``,
     ``_make_symbol_function``).
 

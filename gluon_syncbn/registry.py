@@ -1,11 +1,12 @@
 """Process-wide table of synchronization groups, one per SyncBatchNorm layer,
 and the session: which training step calls belong to, and how a step fails.
 
-The custom operator is created by MXNet from string arguments only, so it finds
-its layer's barrier here by the group id the block baked into the graph. Ids
+MXNet creates operators from string arguments only, so every operator finds
+its layer's group here by the group id the block baked into the graph. Ids
 are unique per layer object (not per prefix), so two networks with equal
-prefixes never share a barrier. A group whose calls run in the native
-operator is registered there too (same id), and its barrier lives there.
+prefixes never share a barrier. A group whose calls run in a native operator
+(asynchronous or exchange) is registered in the native session too (same
+id), and its barrier lives there; the Python operator's lives here.
 """
 import collections
 import ctypes

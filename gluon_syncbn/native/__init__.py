@@ -219,8 +219,9 @@ def load():
             if choice == 'auto':
                 warnings.warn(
                     'gluon_syncbn: the native operator is not available (%s). Using the '
-                    'Python operator, which costs about 10x more host time per call. Install '
-                    'a C++ compiler (or set CXX), or set %s=python to silence this.'
+                    'Python operator (the same results, about 10-40x the host cost per '
+                    'call). Install a C++ compiler (or set CXX), or set %s=python to '
+                    'silence this.'
                     % (exc, IMPLEMENTATION_VARIABLE), RuntimeWarning, stacklevel=2)
     if _state['lib'] is None and choice == 'native':
         raise SyncBatchNormError('%s=native, but the native operator is not available: %s'
