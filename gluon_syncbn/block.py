@@ -1,27 +1,23 @@
-"""The SyncBatchNorm layer: arguments, parameters, checks, and the graph it builds."""
+"""The SyncBatchNorm layer: arguments, parameters, input checks, and which operator runs."""
 import os
 import weakref
 
 from mxnet import autograd
 from mxnet.gluon import HybridBlock
-from mxnet.gluon.parameter import DeferredInitializationError
 from mxnet.util import is_np_array, is_np_shape
 
 from . import native
-from . import op as _op
 from . import registry
+from .graph import LOW_PRECISION, VectorGraph
 from .transport import make_transport
 from .engine import check_cpu_contexts, is_naive_engine, mkldnn_active, in_host_memory
-from .hooks import CENTER_OP, request_retrace
-from .mxnet_private import dtype_name, operator_dtype
+from .mxnet_private import dtype_name
 from .errors import SyncBatchNormError
 from .groups import check_sync_groups
 
 __all__ = ['SyncBatchNorm']
 
 DEFAULT_TIMEOUT = 180.0
-# Input dtypes whose statistics are computed in (at least) float32.
-LOW_PRECISION = ('float16', 'bfloat16')
 
 
 def default_timeout():
@@ -46,72 +42,6 @@ def _array_getter(block):
             found += [p.grad(ctx) for p in (layer.gamma, layer.beta) if p.grad_req != 'null']
         return found
     return arrays
-
-
-def _channel_affine(F, x, scale, shift, channels, name=None):
-    """``x * scale + shift`` per channel, for ``x`` in the layer's working view
-    and ``scale``, ``shift`` of shape (1, C, 1, ...) like the means.
-
-    With ``channels`` given (``x`` is then (N, C, 1, L)), as a depthwise 1x1
-    convolution: the same maths, and its weight and bias gradients are the
-    per-channel sums of ``dy * x`` and ``dy`` that broadcast_mul/add would give,
-    but it runs in MKL-DNN's fused kernels, 5-10x cheaper than those two, whose
-    backward reductions dominated the layer's time on CPU. ``channels=0``: the
-    broadcast operators.
-    """
-    if channels <= 0:
-        return F.broadcast_add(F.broadcast_mul(x, scale), shift)
-    # transpose and squeeze, not reshape: see _ChannelMoments on temp space.
-    return F.Convolution(x, F.transpose(scale, axes=(1, 0, 2, 3)),
-                         F.squeeze(shift, axis=(0, 2, 3)), kernel=(1, 1),
-                         num_filter=channels, num_group=channels, name=name)
-
-
-class _ChannelMoments(object):
-    """Per-channel statistics of tensors shaped like ``like``, as the operator takes them.
-
-    ``fast=False``: MXNet's ``mean`` over every axis but the channel ``axis``.
-    ``fast=True`` (``like`` is the (N, C, 1, L) view): the sums of each
-    (sample, channel) row, shape (N, C, 1, 1): FullyConnected over the last
-    axis with a row of ones, whose forward and backward run as MKL GEMV/GEMM,
-    4-5x cheaper on CPU than ``mean``, which reduces over non-contiguous axes.
-    The operator adds the rows up and divides by the count itself.
-
-    Every operator here that needs MXNet's temp space (reductions, slice,
-    FullyConnected, convolutions, reshapes under MKL-DNN) holds one more shared
-    slot, which sets the deadlock bound (see :mod:`gluon_syncbn.engine`), so
-    the fast path uses them only where the data needs them, and for one sum
-    of the ones row.
-    """
-
-    def __init__(self, F, like, fast, axis=1):
-        self._F = F
-        self._fast = fast
-        self._axis = axis
-        if fast:
-            row = F.slice_axis(F.slice_axis(like, axis=0, begin=0, end=1), axis=1, begin=0, end=1)
-            self._ones = F.BlockGrad(F.ones_like(F.squeeze(row, axis=(1, 2))))  # (1, L)
-            self._mean_row = F.broadcast_div(self._ones, F.sum(self._ones))  # (1, L) of 1/L
-
-    def __call__(self, x, keepdims=True):
-        F = self._F
-        if not self._fast:
-            return F.mean(x, axis=self._axis, exclude=True, keepdims=keepdims)
-        return F.FullyConnected(x, self._ones, num_hidden=1, no_bias=True, flatten=False)
-
-    def centre(self, x):
-        """A (1, C, 1, ...) estimate of the mean to centre on. A centre k standard
-        deviations off costs the variance a factor 1 + k^2 of float32 rounding.
-        Fast: the first sample's mean (1/N of the data), for which k^2 <= N - 1
-        whatever the data (Cauchy-Schwarz). One element is not enough: in a
-        deep net a corner pixel (zero padding) of a near-constant channel lay
-        thousands of standard deviations off, and a 20-layer net's parameters
-        came out 10% wrong."""
-        if not self._fast:
-            return self(x)
-        first = self._F.slice_axis(x, axis=0, begin=0, end=1)
-        return self._F.FullyConnected(first, self._mean_row, num_hidden=1, no_bias=True,
-                                      flatten=False)
 
 
 class SyncBatchNorm(HybridBlock):
@@ -339,12 +269,6 @@ class SyncBatchNorm(HybridBlock):
             registry.SESSION.clear_failed_arrays()
             registry.SESSION.check_dtypes(self._group_id, "'%s'" % self.name, str(x.context),
                                           dtype)
-        axis = self._kwargs['axis']
-        if not imperative and self._static_shape and group.operator == 'exchange':
-            try:
-                group.register_running_arrays()
-            except DeferredInitializationError:
-                request_retrace()  # shapes are known after the first call
         if group.operator == 'async':
             # One native operator of MXNet's own kind does it all, without a
             # custom operator's threads (native/async_op.h). It reads and
@@ -353,125 +277,11 @@ class SyncBatchNorm(HybridBlock):
             return sync(x, gamma, beta, running_mean, running_var, group=group.group_id,
                         eps=self._kwargs['eps'], momentum=self._kwargs['momentum'],
                         fix_gamma=self._kwargs['fix_gamma'], static_shape=self._static_shape,
-                        axis=axis, input_dtype=dtype, name='sync')
-        if imperative and x.size == 0:
-            return self._empty_slice(F, x, gamma, beta, running_mean, running_var, group, dtype)
-        half = dtype in LOW_PRECISION
-        # Statistics in at least float32: float16 input is widened, then narrowed back.
-        xs = F.Cast(x, dtype='float32') if half else x
-        if not imperative and dtype == 'float32' and not group.host_memory:
-            # Under AMP (amp.init()) a traced graph is fed float16 it cannot
-            # see: amp_cast widens float16/bfloat16 and leaves float32 alone.
-            # (Not for float64 networks: on CPU it is MKL-DNN's and refuses it.)
-            xs = F.amp_cast(x, dtype='float32')
-        # The fast operators (see _channel_affine and _ChannelMoments) need the
-        # channel count: known in imperative mode; while a deferred-init graph
-        # is traced, not yet, so the graph is traced once more after its first
-        # call. Only where MKL-DNN runs them (float32 on CPU): without it, 20-layer
-        # nets on 4 CPU contexts deadlocked in MXNet's own convolution and
-        # FullyConnected (GPUs: untested, so MXNet's broadcast operators there).
-        channels = 0
-        if axis == 1 and self._fast_ops and dtype != 'float64':
-            channels = x.shape[axis] if imperative else (self.gamma.shape or (0,))[0]
-            if channels == 0:
-                request_retrace()
-        if channels:
-            # The convolutions' and FullyConnected's view: (N, C, 1, L).
-            xs = F.reshape(xs, shape=(0, 0, 1, -1))
-        elif axis == 1:
-            # NCHW and friends: MXNet reduces over (0, 2) of an (N, C, L) view
-            # markedly faster than over (0, 2, 3, ...) of the input.
-            xs = F.reshape(xs, shape=(0, 0, -1))
-        moments = _ChannelMoments(F, xs, fast=channels > 0, axis=axis)
-        # The centre is a constant to autograd: the output does not depend on
-        # it, so the gradient reaches x through m2, sqdev and xc alone. (Blocked
-        # at its input, not its output: MXNet 1.9.1's autograd segfaulted on a
-        # FullyConnected whose output gradient was blocked.)
-        m1 = moments.centre(F.BlockGrad(xs))
-        if channels:
-            # Named: its shape check is the first to see a wrong channel count
-            # in a hybridized graph (see hooks.CENTER_OP).
-            xc = _channel_affine(F, xs, F.ones_like(m1), -m1, channels, name=CENTER_OP)
-        else:
-            xc = F.broadcast_sub(xs, m1)
-        # The exchange operator takes them flat (C,): fewer reshapes, each of
-        # which holds a temp-space slot on CPU contexts (see _ChannelMoments).
-        flat = not channels and self._exchange(group) is not None
-        m2 = moments(xc, keepdims=not flat)
-        sqdev = moments(F.square(xc), keepdims=not flat)
-        scale, shift = self._synchronize(F, group, m1, m2, sqdev, F.BlockGrad(F.shape_array(x)),
-                                         gamma, beta, running_mean, running_var,
-                                         self._static_shape, channels > 0, dtype)
-        out = _channel_affine(F, xc, scale, shift, channels)
-        if channels:
-            # Through a 3-D shape: reshaped straight back to 4-D, the
-            # convolution's output kept its MKL-DNN (N, C, 1, L) layout, and a
-            # Pooling after the layer then failed in backward (hybridized).
-            out = F.squeeze(out, axis=2)
-        if axis == 1:
-            out = F.reshape_like(out, x)
-        return F.Cast(out, dtype=operator_dtype(dtype)) if half else out
-
-    @staticmethod
-    def _exchange(group):
-        """The exchange operator's functions if this group's calls use it (the
-        GPU path, where the self-test passed), else None."""
-        return native.exchange_operator() if group.operator == 'exchange' else None
-
-    def _synchronize(self, F, group, m1, m2, sqdev, shape, gamma, beta, running_mean,
-                     running_var, static_shape, row_sums, dtype, m1_axes=None):
-        """The synchronization step on per-channel vectors: the native exchange
-        operator (native/exchange_op.h) on GPUs, else the Python operator
-        (op.py). Returns the (scale, shift) that normalize ``x - m1``."""
-        exchange = self._exchange(group)
-        if exchange is not None and not row_sums:
-            # One packed vector in, one out: [m1 | m2 | v | shape | gamma | beta]
-            # (m2 and v come flat) to [scale | shift]. The operator also takes
-            # m1, gamma and beta for their shapes only (deferred initialization
-            # infers gamma's from m1's); the Concat's backward hands their
-            # gradients on.
-            stat = 'float64' if dtype == 'float64' else 'float32'
-            param = dtype_name(self.gamma.dtype)
-            g, b = (gamma, beta) if param == stat else (F.Cast(gamma, dtype=stat),
-                                                        F.Cast(beta, dtype=stat))
-            # axis 1: m1 is (1, C, 1) and squeeze, unlike reshape, holds no
-            # temp-space slot on CPU (see _channel_affine).
-            if m1_axes is None and self._kwargs['axis'] == 1:
-                m1_axes = (0, 2)  # the (N, C, L) view's
-            flat_m1 = (F.squeeze(m1, axis=m1_axes) if m1_axes is not None
-                       else F.reshape(m1, shape=(-1,)))
-            packed = F.concat(flat_m1, m2, sqdev,
-                              F.Cast(shape, dtype=stat), g, b, dim=0)
-            out = exchange[F](packed, m1, gamma, beta, running_mean, running_var,
-                              group=group.group_id, eps=self._kwargs['eps'],
-                              momentum=self._kwargs['momentum'],
-                              fix_gamma=self._kwargs['fix_gamma'], static_shape=static_shape,
-                              input_dtype=dtype, name='sync')
-            scale, shift = F.split(out, num_outputs=2, axis=0)
-            return F.reshape_like(scale, m1), F.reshape_like(shift, m1)
-        scale, shift, _ = F.Custom(
-            m1, m2, sqdev, shape, gamma, beta, running_mean, running_var,
-            op_type=_op.OP_TYPE,
-            group=group.group_id, eps=self._kwargs['eps'], momentum=self._kwargs['momentum'],
-            fix_gamma=self._kwargs['fix_gamma'], static_shape=static_shape, row_sums=row_sums,
-            input_dtype=dtype, name='sync')
-        return scale, shift
-
-    def _empty_slice(self, F, x, gamma, beta, running_mean, running_var, group, dtype):
-        """A slice with no samples: MXNet's reductions give NaN and its reshapes
-        divide by zero on it, so the operator gets zero moments (the count,
-        from the shape, is 0) and still joins both exchanges; the empty output
-        depends on scale so that its backward runs too."""
-        axis = self._kwargs['axis'] % x.ndim
-        stat_shape = tuple(x.shape[axis] if i == axis else 1 for i in range(x.ndim))
-        zeros = F.zeros(stat_shape, ctx=x.context,
-                        dtype='float32' if dtype in LOW_PRECISION else dtype)
-        flat = zeros.reshape(-1) if self._exchange(group) is not None else zeros
-        scale, _ = self._synchronize(F, group, zeros, flat, flat, F.shape_array(x), gamma,
-                                     beta, running_mean, running_var, False, False, dtype,
-                                     m1_axes=tuple(i for i in range(x.ndim) if i != axis))
-        # Not broadcast_add: its backward over a size-0 array segfaults in 1.9.1.
-        return F.broadcast_mul(x, F.Cast(scale, dtype=operator_dtype(dtype)))
+                        axis=self._kwargs['axis'], input_dtype=dtype, name='sync')
+        # The exchange or the Python operator: MXNet's operators compute the
+        # moments around it (graph.py).
+        return VectorGraph(group, dtype, self._kwargs, self._static_shape, self._fast_ops,
+                           self.gamma)(F, x, gamma, beta, running_mean, running_var, imperative)
 
     def __repr__(self):
         s = '{name}({content}'

@@ -78,7 +78,7 @@ Class patches (``hooks``)
     ``Trainer._init_params`` (the first step's broadcast of every parameter
     from device 0) first drains the engine (``hooks.install_trainer_hook``).
 
-Size-0 arrays (``block._empty_slice``, the operators)
+Size-0 arrays (``graph.VectorGraph._empty_slice``, the operators)
     ``reshape`` with -1 divides by zero, reductions give NaN forward and leave
     their gradient outputs unwritten, ``broadcast_add``'s backward segfaults.
 

@@ -142,7 +142,7 @@ def _layer_vs_reference(shape, sizes, axis, dtype, hybridize, steps, offset, mom
     errs['out_type'] = '%s.%s' % (type(ys[0]).__module__, type(ys[0]).__name__)
     errs['operator'] = bn._group.operator  # which operator synchronized (see registry)
     if hybridize:
-        # which normalization the cached graph uses now (see block._channel_affine)
+        # which normalization the cached graph uses now (see graph.channel_affine)
         errs['graph_uses_convolution'] = float('Convolution' in bn._cached_graph[1].tojson())
     return errs
 

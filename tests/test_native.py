@@ -199,7 +199,8 @@ for step in range(400):
         rss.append(psutil.Process().memory_info().rss)
 print('GROWTH_MB', (rss[1] - rss[0]) / 2**20)
 group = net[0]._sync_group()
-print('OPERATOR', group.operator, net[0]._exchange(group) is not None)
+print('OPERATOR', group.operator,
+      group.operator == 'exchange' and gluon_syncbn.native.exchange_operator() is not None)
 '''
 
 
