@@ -255,16 +255,10 @@ class SyncGroup(object):
         hint = timeout_hint(self.devices)
         self.barrier = CallOrderBarrier(name, self.devices, timeout, hint=hint, session=SESSION)
         self.host_memory = in_host_memory(self.devices)
-        # Which operator synchronizes the calls: the native asynchronous
-        # operator (CPU contexts), the native exchange operator (GPUs), or the
-        # Python one (across processes: its transports are Python; no native
-        # library; or the native operator failed its self-test).
-        self.operator = 'python'
-        if SESSION._native is not None and not self.transport.cross_process:
-            if self.host_memory:
-                self.operator = 'async' if native.async_operator() else 'python'
-            else:
-                self.operator = 'exchange' if native.exchange_operator() else 'python'
+        # Which operator synchronizes the calls ('async', 'exchange' or
+        # 'python') and, for the Python operator, why.
+        self.operator, self.why_python = native.choose_operator(
+            self.host_memory, self.transport.cross_process)
         SESSION.prepare_engine()
         self._running_arrays = []
         if self.operator != 'python':

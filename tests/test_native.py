@@ -28,6 +28,7 @@ with autograd.record():
     ys = [bn(a) for a in xs]
 y64 = batchnorm_float64(x, np.ones_like(x), np.ones(3), np.zeros(3))[0]
 print('OPERATOR', bn._sync_group().operator)
+print('WHY', repr(bn._sync_group().why_python))
 print('ERROR', max_rel_err(np.concatenate([y.asnumpy() for y in ys]), y64))
 '''
 
@@ -70,6 +71,7 @@ def test_a_failed_self_test_falls_back_to_the_python_operator(tmp_path):
     marker.write_text('exit -11: simulated')
     out = python(TWO_DEVICE_STEP, GLUON_SYNCBN_CACHE=str(tmp_path))
     assert reported(out, 'OPERATOR') == 'python'
+    assert 'async operator failed its self-test: exit -11: simulated' in reported(out, 'WHY')
     assert float(reported(out, 'ERROR')) < 1e-5
     assert out.stderr.count('RuntimeWarning') == 1, out.stderr[-3000:]
     assert 'failed their self-test' in out.stderr and 'exit -11: simulated' in out.stderr
@@ -77,6 +79,7 @@ def test_a_failed_self_test_falls_back_to_the_python_operator(tmp_path):
     quiet = python(TWO_DEVICE_STEP, GLUON_SYNCBN_CACHE=str(tmp_path),
                    GLUON_SYNCBN_OPERATOR='python')
     assert reported(quiet, 'OPERATOR') == 'python'
+    assert reported(quiet, 'WHY') == "'GLUON_SYNCBN_OPERATOR=python'"
     assert 'RuntimeWarning' not in quiet.stderr, quiet.stderr[-2000:]
 
 
@@ -88,6 +91,7 @@ def test_device_path_takes_the_exchange_operator_and_its_fallback(tmp_path):
         "print('EXCHANGE', native.exchange_operator() is not None)\n")
     first = python(code, GLUON_SYNCBN_CACHE=str(tmp_path), GLUON_SYNCBN_DEVICE_PATH='1')
     assert reported(first, 'OPERATOR') == 'exchange'
+    assert reported(first, 'WHY') == "''"
     assert reported(first, 'EXCHANGE') == 'True'
     assert float(reported(first, 'ERROR')) < 1e-5
     assert 'RuntimeWarning' not in first.stderr, first.stderr[-2000:]
@@ -97,6 +101,7 @@ def test_device_path_takes_the_exchange_operator_and_its_fallback(tmp_path):
     marker.write_text('exit -11: simulated')
     out = python(code, GLUON_SYNCBN_CACHE=str(tmp_path), GLUON_SYNCBN_DEVICE_PATH='1')
     assert reported(out, 'OPERATOR') == 'python'
+    assert 'exchange operator failed its self-test: exit -11' in reported(out, 'WHY')
     assert reported(out, 'EXCHANGE') == 'False'
     assert float(reported(out, 'ERROR')) < 1e-5
     assert out.stderr.count('RuntimeWarning') == 1, out.stderr[-3000:]

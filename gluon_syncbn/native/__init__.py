@@ -73,7 +73,7 @@ BUILD_SECONDS = 300
 SELFTEST_SECONDS = 120
 
 _state = {'lib': None, 'path': None, 'why_not': None, 'async': None, 'exchange': None,
-          'exchange_checked': False}
+          'exchange_checked': False, 'verdicts': {}}
 
 
 class NativeUnavailable(Exception):
@@ -237,7 +237,7 @@ def _async_works(path):
     """Whether to register the asynchronous operator: if its part of
     ``selftest.py`` passed with this library, since it relies on libmxnet's
     C++ ABI (see mxnet_abi.h)."""
-    verdict = _selftest(path, 'async')
+    verdict = _state['verdicts']['async'] = _selftest(path, 'async')
     if verdict != 'ok':
         warnings.warn(
             'gluon_syncbn: the native operators failed their self-test with this MXNet '
@@ -250,7 +250,7 @@ def _exchange_works(path):
     ``selftest.py`` passed: one layer on two devices (two GPUs where there
     are, else two CPU contexts down the GPU path) against NumPy, once per
     library and GPU driver."""
-    verdict = _selftest(path, 'exchange')
+    verdict = _state['verdicts']['exchange'] = _selftest(path, 'exchange')
     if verdict != 'ok':
         warnings.warn(
             'gluon_syncbn: the GPU path\'s exchange operator failed its self-test with this '
@@ -320,6 +320,29 @@ def exchange_operator():
             from ..mxnet_private import operator_functions
             _state['exchange'] = operator_functions(EXCHANGE_OP)
     return _state['exchange']
+
+
+def choose_operator(host_memory, cross_process):
+    """``(operator, why_python)``: the operator a group's calls take, chosen
+    here and nowhere else, once per group (``registry.SyncGroup``).
+
+    ``'async'`` on CPU contexts of one process, ``'exchange'`` on GPUs of one
+    process (``host_memory`` False), where the native library loaded and the
+    operator passed its self-test; else ``'python'``, with the reason in
+    ``why_python`` ('' for a native operator).
+    """
+    if cross_process:
+        return 'python', 'across processes the transports (kvstore, Horovod) are Python'
+    if implementation() == 'python':
+        return 'python', '%s=python' % IMPLEMENTATION_VARIABLE
+    kind = 'async' if host_memory else 'exchange'
+    functions = async_operator() if host_memory else exchange_operator()
+    if functions is not None:
+        return kind, ''
+    verdict = _state['verdicts'].get(kind) or _state['verdicts'].get('async')
+    why = _state['why_not'] or ('the %s operator failed its self-test: %s' % (kind, verdict)
+                                if verdict else 'the %s operator is not registered' % kind)
+    return 'python', why
 
 
 def async_operator():
