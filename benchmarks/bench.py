@@ -7,19 +7,28 @@ to plain nn.BatchNorm measured in the same run. MXNet's contrib layer hangs on
 4+ CPU contexts in a Trainer step; there it is only probed, in a separate
 process with a deadline.
 
-    python benchmarks/bench.py                 # full table -> benchmarks/results.{md,json}
-    python benchmarks/bench.py --quick         # fewer configurations and steps
+    python benchmarks/bench.py                 # full table -> results/bench.{md,json}
+    python benchmarks/bench.py --quick         # fewer configurations -> results/bench-quick
+    python benchmarks/bench.py --only resnet:2:hybrid,small:2:imperative  # -> results/bench-only
+    python benchmarks/bench.py --fixed-cost    # cost per layer call -> results/bench-fixed-cost
+    python benchmarks/bench.py --memory        # RSS over 2,000 steps -> results/bench-memory
+
+Fewer than 5 steps is a smoke run (see report.py).
 """
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+
+import report  # noqa: E402
+
+MIN_STEPS = 5   # fewer: a smoke run
 
 
 # ----------------------------------------------------------------- worker side
@@ -81,7 +90,7 @@ def worker(cfg):
     size = 32 if arch == 'small' else 64
     per_device = cfg.get('per_device', 8)
     rng = np.random.RandomState(0)
-    steps = {}
+    steps, nets = {}, {}
     for norm in cfg['variants']:
         net = build(arch, norm, n)
         net.initialize(mx.init.Xavier(), ctx=ctxs)
@@ -98,7 +107,7 @@ def worker(cfg):
             autograd.backward(losses)
             trainer.step(per_device * n)
             mx.nd.waitall()
-        steps[norm] = step
+        steps[norm], nets[norm] = step, net
     times = {norm: [] for norm in steps}
     warmup = warm_up(steps.values(), cfg['warmup'], cfg.get('max_warmup', cfg['warmup']),
                      lambda: psutil.Process().memory_info().rss)
@@ -108,7 +117,8 @@ def worker(cfg):
             step()
             times[norm].append(time.perf_counter() - t)
     return {'times': times, 'rss_mb': psutil.Process().memory_info().rss / 2 ** 20,
-            'warmup_steps': warmup}
+            'warmup_steps': warmup, 'operator': '+'.join(report.operators(nets['ours']))
+            if 'ours' in nets else None}
 
 
 def warm_up(steps, least, most, rss, window=10, growth=0.01):
@@ -183,7 +193,8 @@ def overhead_worker(cfg):
             mx.nd.waitall()
             if i >= 20:
                 times[name].append((time.perf_counter() - t) / len(xs))
-    return {'times': times}
+    return {'times': times,
+            'operator': '+'.join(report.operators(layers['SyncBatchNorm'])) or None}
 
 
 def memory_worker(cfg):
@@ -222,7 +233,8 @@ def memory_worker(cfg):
         if step in cfg['checkpoints']:
             rss[step] = psutil.Process().memory_info().rss / 2 ** 20
     return {'rss_mb': rss, 'temp_slots': os.environ.get('MXNET_CPU_TEMP_COPY'),
-            'random_slots': os.environ.get('MXNET_CPU_PARALLEL_RAND_COPY')}
+            'random_slots': os.environ.get('MXNET_CPU_PARALLEL_RAND_COPY'),
+            'operator': '+'.join(report.operators(net)) or None}
 
 
 # ----------------------------------------------------------------- driver side
@@ -267,35 +279,33 @@ def main():
     parser.add_argument('--no-steady', dest='steady', action='store_false',
                         help='time right after --warmup rounds, without waiting for '
                              'resident memory to stop growing')
-    parser.add_argument('--out', default=os.path.join(HERE, 'results'))
     parser.add_argument('--only', default='',
-                        help='e.g. resnet:3:hybrid,resnet:2:imperative: measure these and '
-                             'splice them into the existing --out results')
-    parser.add_argument('--overhead-only', action='store_true',
-                        help='re-measure the fixed cost into an existing --out')
+                        help='e.g. resnet:3:hybrid,resnet:2:imperative: measure only these '
+                             '(a run of its own: results/bench-only)')
+    parser.add_argument('--fixed-cost', '--overhead-only', dest='fixed_cost',
+                        action='store_true',
+                        help='only the fixed cost per layer call (results/bench-fixed-cost)')
     parser.add_argument('--memory', action='store_true',
-                        help='resident memory after 200 and 2,000 training steps')
+                        help='resident memory after 200, 1,000 and 2,000 training steps '
+                             '(results/bench-memory)')
+    report.add_arguments(parser)
     args = parser.parse_args()
-    if args.overhead_only:
-        return overhead_only(args.out)
-    if args.memory:
-        for norm in ('ours', 'plain'):  # plain: the same engine settings, no sync
-            for hybrid in (False, True):
-                res = run_worker('memory_worker', dict(n=2, hybridize=hybrid, steps=2000,
-                                                       checkpoints=[200, 1000, 2000],
-                                                       norm=norm), 3000)
-                print('memory, %s, small net (batch 2 x 16x16 per device), N=2, %s: %s'
-                      % (norm, 'hybrid' if hybrid else 'imperative', res))
-        return
     steps = args.steps or (10 if args.quick else 30)
+    if args.fixed_cost:
+        return fixed_cost(args, steps)
+    if args.memory:
+        return memory(args, steps)
     if args.only:
-        return only(args, steps)
-    raw = {'date': time.strftime('%Y-%m-%d'), 'machine': platform.processor() or
-           platform.machine(), 'cpus': os.cpu_count(), 'configs': []}
-    for cfg in configurations(args.quick):
-        raw['configs'].append(measure(cfg, args, steps))
-    raw['overhead'] = run_worker('overhead_worker', {'steps': 200}, timeout=600)
-    write(args.out, table_rows(raw), raw['overhead'], raw)
+        configs = [dict(arch=arch, n=int(n), hybridize=mode == 'hybrid') for arch, n, mode in
+                   (spec.split(':') for spec in args.only.split(','))]
+        name = 'bench-only'
+    else:
+        configs, name = configurations(args.quick), 'bench-quick' if args.quick else 'bench'
+    run = report.Run(name, args.out, smoke=steps < MIN_STEPS)
+    raw = {'steps': steps, 'configs': [measure(cfg, args, steps) for cfg in configs]}
+    if not args.only:
+        raw['overhead'] = run_worker('overhead_worker', {'steps': 200}, timeout=600)
+    write(run, raw)
 
 
 def configurations(quick=False):
@@ -309,11 +319,11 @@ def configurations(quick=False):
 
 
 def measure(cfg, args, steps):
-    """Time one configuration; return its entry for results.json."""
+    """Time one configuration; return its entry for the results' json."""
     contrib_ok = cfg['n'] <= 3
     variants = ['plain', 'ours'] + (['contrib'] if contrib_ok else [])
     small = cfg['arch'] == 'small'
-    wcfg = dict(cfg, variants=variants, steps=steps if small else steps // 2,
+    wcfg = dict(cfg, variants=variants, steps=steps if small else max(1, steps // 2),
                 warmup=args.warmup, max_warmup=(150 if small else 60) if args.steady else
                 args.warmup)
     entry = dict(cfg, result=run_worker('worker', wcfg, timeout=1200))
@@ -327,19 +337,49 @@ def measure(cfg, args, steps):
     return entry
 
 
-def only(args, steps):
-    """Measure the ``--only`` configurations and splice them into existing results."""
-    raw = json.load(open(args.out + '.json'))
-    for spec in args.only.split(','):
-        arch, n, mode = spec.split(':')
-        cfg = dict(arch=arch, n=int(n), hybridize=mode == 'hybrid')
-        entry = measure(cfg, args, steps)
-        raw['configs'] = [e for e in raw['configs']
-                          if {k: e[k] for k in cfg} != cfg] + [entry]
-    order = [tuple(sorted(c.items())) for c in configurations()]
-    raw['configs'].sort(key=lambda e: order.index(
-        tuple(sorted((k, e[k]) for k in ('arch', 'hybridize', 'n')))))
-    write(args.out, table_rows(raw), raw['overhead'], raw)
+def fixed_cost(args, steps):
+    """Only the fixed cost per layer call (``--fixed-cost``)."""
+    run = report.Run('bench-fixed-cost', args.out, smoke=steps < MIN_STEPS)
+    over = run_worker('overhead_worker', {'steps': 200 if args.steps is None else steps},
+                      timeout=600)
+    lines = fixed_cost_lines(over)
+    ours = over['times'].get('SyncBatchNorm') if isinstance(over, dict) else None
+    run.write('Fixed cost per layer call (bench.py --fixed-cost)',
+              report.backend_text([over.get('operator')] if isinstance(over, dict) else []),
+              lines or ['failed: %s' % over], over,
+              'SyncBatchNorm %.3f ms per call' % (1e3 * median(ours)) if ours else str(over))
+
+
+def memory(args, steps):
+    """Resident memory of long runs (``--memory``), ours and plain under the same settings."""
+    total = 2000 if args.steps is None else steps
+    run = report.Run('bench-memory', args.out, smoke=total < 200)
+    checkpoints = sorted({min(200, total), total // 2, total})
+    lines = ['Small net, batch 2 x 16x16 per device, N = 2, every process fresh, both under '
+             '`configure_cpu_contexts(2)`; resident MB after %s steps.'
+             % ' / '.join(map(str, checkpoints)), '',
+             '| layer | imperative | hybridized |', '|---|---|---|']
+    raw, ran, cells = [], set(), {}
+    for norm, label in (('ours', 'gluon_syncbn'), ('plain', 'plain `nn.BatchNorm`')):
+        for hybrid in (False, True):
+            res = run_worker('memory_worker', dict(n=2, hybridize=hybrid, steps=total,
+                                                   checkpoints=checkpoints, norm=norm), 3000)
+            raw.append(dict(norm=norm, hybridize=hybrid, result=res))
+            if isinstance(res, dict):
+                if norm == 'ours':
+                    ran.add(res.get('operator'))
+                mb = [res['rss_mb'][str(c)] for c in checkpoints]
+                cells[norm, hybrid] = '%s (%+.1f%%)' % (' / '.join('%.1f' % v for v in mb),
+                                                        100 * (mb[-1] / mb[0] - 1))
+            else:
+                cells[norm, hybrid] = res
+        lines.append('| %s | %s | %s |' % (label, cells[norm, False], cells[norm, True]))
+        print(lines[-1], flush=True)
+    run.write('Resident memory over a long run (bench.py --memory)',
+              report.backend_text(ran, others=('nn.BatchNorm',)), lines, raw,
+              'RSS MB, gluon_syncbn imperative %s, hybridized %s; nn.BatchNorm %s, %s' % (
+                  cells['ours', False], cells['ours', True], cells['plain', False],
+                  cells['plain', True]))
 
 
 def table_rows(raw):
@@ -349,13 +389,6 @@ def table_rows(raw):
         res = entry['result']
         rows.append((cfg, res if isinstance(res, str) else summarize(entry)))
     return rows
-
-
-def overhead_only(out):
-    """Re-measure just the fixed cost and splice it into an existing results file."""
-    raw = json.load(open(out + '.json'))
-    raw['overhead'] = run_worker('overhead_worker', {'steps': 200}, timeout=600)
-    write(out, table_rows(raw), raw['overhead'], raw)
 
 
 def summarize(entry):
@@ -370,36 +403,49 @@ def summarize(entry):
             'warmup': res.get('warmup_steps')}
 
 
-def write(out, rows, over, raw):
-    lines = ['Measured %s on %s (%s CPUs), MXNet 1.9.1 CPU wheel, CPU contexts. Step = '
-             'forward + backward + Trainer.step + waitall; medians of interleaved steps, '
-             'timed after the warm-up rounds shown (all variants in turn, until resident '
-             'memory grew < 1%% over 10 rounds); ratios are to plain nn.BatchNorm (no '
-             'synchronization) in the same process.'
-             % (raw['date'], raw['machine'], raw['cpus']), '',
+def fixed_cost_lines(over):
+    if not isinstance(over, dict):
+        return []
+    lines = ['Fixed cost per layer call (forward + backward) on a (2, 4, 2, 2) input, calls '
+             'on 2 CPU contexts per step (median of %d):' % len(next(iter(
+                 over['times'].values()))), '', '| call | ms |', '|---|---|']
+    for name, ts in over['times'].items():
+        lines.append('| %s | %.3f |' % (name, 1e3 * median(ts)))
+    return lines
+
+
+def write(run, raw):
+    lines = ['CPU contexts. Step = forward + backward + Trainer.step + waitall; medians of %d '
+             'interleaved steps (half on the resnet net), timed after the warm-up rounds '
+             'shown (all variants in turn, until resident memory grew < 1%% over 10 rounds); '
+             'ratios are to plain nn.BatchNorm (no synchronization) in the same process. '
+             'N contexts share the machine\'s cores: read the ratios.' % raw['steps'], '',
              '| net | N | mode | warm-up | nn.BatchNorm ms | ours ms (IQR) | ours / BN '
              '| contrib / BN | RSS MB |',
              '|---|---|---|---|---|---|---|---|---|']
-    for cfg, row in rows:
+    ran, headline = set(), []
+    for (cfg, row), entry in zip(table_rows(raw), raw['configs']):
         mode = 'hybrid' if cfg['hybridize'] else 'imperative'
         if isinstance(row, str):
             lines.append('| %s | %d | %s |  | %s |  |  |  |  |' % (cfg['arch'], cfg['n'], mode,
                                                                   row))
+            headline.append('%s N=%d %s %s' % (cfg['arch'], cfg['n'], mode[:3], row[:40]))
             continue
+        ran.add(entry['result'].get('operator'))
         contrib = ('%.2fx' % row['contrib_x']) if row['contrib_x'] else (
             'hangs' if row['contrib_note'] == 'hang' else str(row['contrib_note']))
         lines.append('| %s | %d | %s | %s | %.1f | %.1f (%.1f) | %.2fx | %s | %.0f |' % (
             cfg['arch'], cfg['n'], mode, row['warmup'], row['plain_ms'], row['ours_ms'],
             row['ours_spread_ms'], row['ours_x'], contrib, row['rss_mb']))
-    if isinstance(over, dict):
-        lines += ['', 'Fixed cost per layer call (forward + backward) on a (2, 4, 2, 2) input, '
-                  'calls on 2 CPU contexts per step (median of 200):', '', '| call | ms |',
-                  '|---|---|']
-        for name, ts in over['times'].items():
-            lines.append('| %s | %.3f |' % (name, 1e3 * median(ts)))
-    open(out + '.md', 'w').write('\n'.join(lines) + '\n')
-    json.dump(raw, open(out + '.json', 'w'), indent=1)
-    print('\n'.join(lines))
+        headline.append('%s N=%d %s %.2fx' % (cfg['arch'], cfg['n'], mode[:3], row['ours_x']))
+    over = raw.get('overhead')
+    if over is not None:
+        lines += [''] + (fixed_cost_lines(over) or ['Fixed cost per layer call: %s' % over])
+        if isinstance(over, dict):
+            ran.add(over.get('operator'))
+            headline.append('fixed cost %.3f ms' % (1e3 * median(over['times']['SyncBatchNorm'])))
+    run.write('Training steps (bench.py)', report.backend_text(ran), lines, raw,
+              'ours / nn.BatchNorm: ' + ', '.join(headline))
 
 
 if __name__ == '__main__':

@@ -12,11 +12,14 @@ Two measurements, each process fresh, with a deadline:
   bench.py), against the same net with plain ``nn.BatchNorm`` under MXNet's
   defaults, which is what those contexts would cost without synchronizing.
 
-    python benchmarks/bench_import.py                     # both -> results_import.md
+    python benchmarks/bench_import.py                     # both -> results/import
+    python benchmarks/bench_import.py --import            # -> results/import-import
+    python benchmarks/bench_import.py --settings          # -> results/import-settings
     python benchmarks/bench_import.py --import --steps 60 # quick
+
+Fewer than 50 steps is a smoke run (see report.py).
 """
 import argparse
-import json
 import os
 import sys
 import time
@@ -25,7 +28,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 from bench import run_worker  # noqa: E402
+import report  # noqa: E402
 
+MIN_STEPS = 50   # fewer (--import): a smoke run
 
 
 # ----------------------------------------------------------------- worker side
@@ -106,14 +111,14 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument('--import', dest='do_import', action='store_true')
     parser.add_argument('--settings', action='store_true')
-    parser.add_argument('--steps', type=int, default=400)
+    parser.add_argument('--steps', type=int, default=400, help='--import: steps per process')
     parser.add_argument('--rounds', type=int, default=2)
-    parser.add_argument('--out', default=os.path.join(HERE, 'results_import'))
+    report.add_arguments(parser)
     args = parser.parse_args()
     both = not (args.do_import or args.settings)
-    lines = ['Measured %s, MXNet 1.9.1 CPU wheel, %s CPUs.' % (time.strftime('%Y-%m-%d'),
-                                                                os.cpu_count()), '']
-    raw = {}
+    name = 'import' + ('' if both else '-import' if args.do_import else '-settings')
+    run = report.Run(name, args.out, smoke=(both or args.do_import) and args.steps < MIN_STEPS)
+    lines, raw, headline, ran = [], {}, [], set()
     if args.do_import or both:
         checkpoints = sorted({min(50, args.steps), args.steps // 2, args.steps})
         res = compare_import(args.steps, checkpoints, args.rounds)
@@ -128,6 +133,7 @@ def main():
                 '%.0f' % r['rss_mb'][str(c)] for c in checkpoints), r['seconds'][str(args.steps)]))
         lines += ['', 'with / without, median over rounds: RSS %.3fx (worst checkpoint), '
                   'time %.3fx' % (res['rss_ratio'], res['time_ratio']), '']
+        headline.append('import: RSS %.3fx, time %.3fx' % (res['rss_ratio'], res['time_ratio']))
         print('\n'.join(lines), flush=True)
     if args.settings or both:
         lines += ['Resident memory (MB) after 20 / 100 / 200 training steps, hybridized, '
@@ -141,17 +147,20 @@ def main():
                 cfg = dict(arch=arch, n=n, steps=200, checkpoints=[20, 100, 200])
                 plain = run('settings_memory', dict(cfg, norm='plain'), 3600)
                 ours = run('settings_memory', dict(cfg, norm='ours'), 3600)
+                ran.add(ours.get('operator'))
                 raw['settings'].append({'cfg': cfg, 'plain': plain, 'ours': ours})
+                extra = ours['rss_mb']['200'] - plain['rss_mb']['200']
                 line = '| %s | %d | %s / %s | %s | %s | %+.0f |' % (
                     arch, n, ours['temp_slots'], ours['random_slots'],
                     ' / '.join('%.0f' % v for v in plain['rss_mb'].values()),
-                    ' / '.join('%.0f' % v for v in ours['rss_mb'].values()),
-                    ours['rss_mb']['200'] - plain['rss_mb']['200'])
+                    ' / '.join('%.0f' % v for v in ours['rss_mb'].values()), extra)
                 lines.append(line)
+                headline.append('%s N=%d %+.0f MB' % (arch, n, extra))
                 print(line, flush=True)
-    open(args.out + '.md', 'w').write('\n'.join(lines) + '\n')
-    json.dump(raw, open(args.out + '.json', 'w'), indent=1)
-    print('\n'.join(lines))
+    backends = ('no synchronizing layer (--import: resnet18_v1 with nn.BatchNorm)'
+                if not ran else report.backend_text(ran, others=('nn.BatchNorm',)))
+    run.write('What importing gluon_syncbn and configuring CPU contexts cost (bench_import.py)',
+              backends, lines, raw, '; '.join(headline))
 
 
 if __name__ == '__main__':

@@ -10,12 +10,14 @@ under the same noise. Two workloads:
 * ``step``: a training step of the small conv net of ``bench.py`` (4 conv+BN+relu,
   16-64 channels, 32x32, batch 8 per device) with a Trainer.
 
-    python benchmarks/bench_multiprocess.py      # -> benchmarks/results_multiprocess.md
+    python benchmarks/bench_multiprocess.py      # -> results/multiprocess.{md,json}
+
+Fewer than 20 steps is a smoke run (see report.py). A setup that cannot run
+(e.g. Horovod not installed) is skipped and named in the results.
 """
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import time
@@ -26,6 +28,9 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, HERE)
 
 from bench import median  # noqa: E402
+import report  # noqa: E402
+
+MIN_STEPS = 20   # fewer: a smoke run
 
 
 def worker(cfg):
@@ -87,7 +92,9 @@ def worker(cfg):
             run(net, trainer, xs)
             if i >= cfg['warmup']:
                 times[name].append(time.perf_counter() - start)
-    print('RESULT ' + json.dumps({'rank': rank, 'times': times}), flush=True)
+    operator = '+'.join(report.operators(variants['sync'][0])) or None
+    print('RESULT ' + json.dumps({'rank': rank, 'times': times, 'operator': operator}),
+          flush=True)
 
 
 def run_config(cfg, timeout):
@@ -104,7 +111,7 @@ def run_config(cfg, timeout):
         if 'RESULT ' in line:
             result = json.loads(line.split('RESULT ', 1)[1])
             if result['rank'] == 0:
-                return result['times']
+                return result
     raise RuntimeError('configuration %s failed:\n%s' % (cfg, (proc.stdout + proc.stderr)[-3000:]))
 
 
@@ -112,34 +119,38 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
     parser.add_argument('--worker', action='store_true', help=argparse.SUPPRESS)
     parser.add_argument('--steps', type=int, default=100)
-    parser.add_argument('--out', default=os.path.join(HERE, 'results_multiprocess'))
+    report.add_arguments(parser)
     args = parser.parse_args()
     if args.worker:
         return worker(json.loads(os.environ['BENCH_MP_CFG']))
+    run = report.Run('multiprocess', args.out, smoke=args.steps < MIN_STEPS)
     setups = [('local', 2, 'one process, 2 CPU contexts'),
               ('dist_sync', 1, "2 workers x 1 context, kvstore 'dist_sync'"),
               ('horovod', 1, '2 workers x 1 context, Horovod (Gloo)')]
-    rows = []
+    rows, raw, skipped, ran = [], [], [], set()
     for workload, steps in (('call', args.steps * 3), ('step', args.steps)):
         for hybridize in (False, True):
             for backend, devices, label in setups:
                 cfg = dict(backend=backend, devices=devices, workload=workload,
                            hybridize=hybridize, warmup=10, steps=steps)
                 try:
-                    times = run_config(cfg, timeout=900)
+                    result = run_config(cfg, timeout=900)
                 except Exception as exc:  # pylint: disable=broad-except
                     print('skipped %s: %s' % (label, str(exc)[-300:]), file=sys.stderr)
+                    skipped.append('%s, %s, %s: %s' % (workload, 'hybridized' if hybridize
+                                                       else 'imperative', label,
+                                                       str(exc).splitlines()[0][:200]))
                     continue
+                times = result['times']
+                ran.add('%s (%s)' % (result.get('operator'), backend))
                 plain, sync = median(times['plain']) * 1e3, median(times['sync']) * 1e3
                 rows.append((workload, 'hybridized' if hybridize else 'imperative', label,
                              plain, sync, sync / plain))
+                raw.append(dict(cfg, operator=result.get('operator'), times=times))
                 print('%-4s %-10s %-45s plain %7.2f ms  sync %7.2f ms  %.2fx' % rows[-1],
                       flush=True)
-    lines = ['# Cross-process synchronization cost', '',
-             '%s, %s, Python %s, %d cores. Medians of %d steps (x3 for `call`); '
-             'nn.BatchNorm and SyncBatchNorm alternate within each worker.' % (
-                 time.strftime('%Y-%m-%d'), platform.machine(), platform.python_version(),
-                 os.cpu_count(), args.steps), '',
+    lines = ['Medians of %d steps (x3 for `call`) after 10 warm-up steps; nn.BatchNorm and '
+             'SyncBatchNorm alternate within each worker.' % args.steps, '',
              '`call`: one layer, forward + backward on a (2, 8, 4, 4) slice per device, '
              'waited for. `step`: a training step of the small net. In `step` rows across '
              'workers the SyncBatchNorm net\'s Trainer also all-reduces gradients across '
@@ -148,11 +159,13 @@ def main():
              '| workload | mode | setup | nn.BatchNorm ms | SyncBatchNorm ms | ratio |',
              '|---|---|---|---|---|---|']
     lines += ['| %s | %s | %s | %.2f | %.2f | %.2fx |' % row for row in rows]
-    with open(args.out + '.md', 'w') as f:
-        f.write('\n'.join(lines) + '\n')
-    with open(args.out + '.json', 'w') as f:
-        json.dump(rows, f, indent=1)
-    print('\n'.join(lines))
+    if skipped:
+        lines += ['', 'Skipped:'] + ['- ' + s for s in skipped]
+    run.write('Cross-process synchronization cost (bench_multiprocess.py)',
+              'gluon_syncbn operator per setup: %s; beside nn.BatchNorm'
+              % ', '.join(sorted(ran)), lines, raw,
+              ', '.join('%s %s %s %.2fx' % (r[0], r[1][:3], r[2].split(',')[-1].strip(), r[5])
+                        for r in rows) + ('; %d skipped' % len(skipped) if skipped else ''))
     return 0
 
 

@@ -11,19 +11,23 @@ as a ratio to plain in that process, and as milliseconds added per BN call per
 device: ``(t - t_plain) / (53 * N)``. A variant that hangs or fails is retried
 alone beside plain in a fresh process, so the others still get their numbers.
 
-    python benchmarks/bench_overhead.py                 # N = 2, 4, 8 -> results_overhead.md
-    python benchmarks/bench_overhead.py --n 2 --steps 10
-    python benchmarks/bench_overhead.py --operator python --out results_overhead_python
-    python benchmarks/bench_overhead.py --n 2 --operator native-device --out results_overhead_device
+    python benchmarks/bench_overhead.py                     # N = 2, 4, 8 -> results/overhead-async
+    python benchmarks/bench_overhead.py --n 8 --temp-slots 4096   # -> results/overhead-async-n8
+    python benchmarks/bench_overhead.py --operator python   # -> results/overhead-python
+    python benchmarks/bench_overhead.py --n 2 --operator native-device  # -> results/overhead-exchange-n2
+    python benchmarks/bench_overhead.py --n 2 --steps 2 --warmup 1 --out /tmp/smoke  # smoke
 
-``--operator native`` is the asynchronous operator on CPU contexts,
-``python`` the Python operator (the fallback). ``--operator native-device`` /
-``python-device`` run CPU contexts down the path GPUs take
-(``GLUON_SYNCBN_DEVICE_PATH=1``: MXNet's operators compute the local moments,
-the exchange operator exchanges vectors): the host cost of the GPU path.
+``--operator`` picks gluon_syncbn's operator (the result file is named by the
+one it selects; the header says which ran): ``native`` is the asynchronous
+operator ``async`` on CPU contexts, ``python`` the Python custom operator (the
+fallback). ``native-device`` / ``python-device`` run CPU contexts down the path
+GPUs take (``GLUON_SYNCBN_DEVICE_PATH=1``: MXNet's operators compute the local
+moments, and the ``exchange`` operator, or the Python one, exchanges the
+vectors): the host cost of the GPU path. ``--n`` other than the default adds
+``-n<N>[-<N>...]`` to the file name. Fewer than 10 steps is a smoke run
+(see report.py).
 """
 import argparse
-import json
 import os
 import sys
 import time
@@ -32,9 +36,15 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 from bench import run_worker  # noqa: E402
+import report  # noqa: E402
 
 LAYERS = 53
 VARIANTS = ('plain', 'contrib', 'ours')
+DEFAULT_N = [2, 4, 8]
+# --operator -> the operator it selects on CPU contexts (the result file's name)
+BACKEND = {'native': 'async', 'python': 'python', 'native-device': 'exchange',
+           'python-device': 'python-device'}
+MIN_STEPS = 10   # fewer: a smoke run
 
 
 # ----------------------------------------------------------------- worker side
@@ -57,7 +67,7 @@ def worker(cfg):
             return gluon.contrib.nn.SyncBatchNorm(in_channels=16, num_devices=n)
         return gluon_syncbn.SyncBatchNorm(in_channels=16, timeout=cfg['sync_timeout'])
 
-    steps = {}
+    steps, nets = {}, {}
     rng = np.random.RandomState(0)
     for kind in cfg['variants']:
         net = gluon.nn.HybridSequential()
@@ -74,7 +84,7 @@ def worker(cfg):
                 ys = [net(x) for x in xs]
             autograd.backward(ys)
             mx.nd.waitall()
-        steps[kind] = step
+        steps[kind], nets[kind] = step, net
     times = {kind: [] for kind in steps}
     for i in range(cfg['warmup'] + cfg['steps']):
         for kind, step in steps.items():   # interleaved: same noise for all
@@ -82,7 +92,10 @@ def worker(cfg):
             step()
             if i >= cfg['warmup']:
                 times[kind].append(time.perf_counter() - t)
-    return {kind: sorted(ts)[len(ts) // 2] for kind, ts in times.items()}
+    res = {kind: sorted(ts)[len(ts) // 2] for kind, ts in times.items()}
+    if 'ours' in nets:
+        res['operator'] = '+'.join(report.operators(nets['ours'])) or None
+    return res
 
 
 # ----------------------------------------------------------------- driver side
@@ -106,6 +119,8 @@ def measure(n, hybridize, args):
             found.setdefault('plain', alone['plain'])
             found[kind + '_vs_plain'] = alone[kind] / alone['plain']
             found[kind] = alone[kind] * found['plain'] / alone['plain']
+            if kind == 'ours':
+                found['operator'] = alone.get('operator')
         else:
             found[kind] = alone
     return found
@@ -132,42 +147,49 @@ def row(n, hybridize, res):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument('--n', type=int, nargs='*', default=[2, 4, 8])
+    parser.add_argument('--n', type=int, nargs='*', default=DEFAULT_N)
     parser.add_argument('--steps', type=int, default=20)
     parser.add_argument('--warmup', type=int, default=5)
     parser.add_argument('--sync-timeout', type=float, default=30.0,
                         help="gluon_syncbn's timeout: how soon a deadlock is reported")
     parser.add_argument('--deadline', type=float, default=240.0, help='per process, seconds')
-    parser.add_argument('--operator', default='native',
-                        choices=['native', 'python', 'native-device', 'python-device'],
+    parser.add_argument('--operator', default='native', choices=sorted(BACKEND),
                         help="gluon_syncbn's operator (GLUON_SYNCBN_OPERATOR), '-device' "
                              "for the GPU path (GLUON_SYNCBN_DEVICE_PATH=1)")
     parser.add_argument('--temp-slots', type=int, default=None,
                         help='configure_cpu_contexts(N, temp_slots=...): the default '
                              '(1024 at N = 8) is too few for three such nets in one process')
-    parser.add_argument('--out', default=os.path.join(HERE, 'results_overhead'))
+    report.add_arguments(parser)
     args = parser.parse_args()
-    lines = ['Measured %s, MXNet 1.9.1 CPU wheel, %s CPUs, CPU contexts, gluon_syncbn\'s %s '
-             'operator, every process under `configure_cpu_contexts(N%s)`. %d x (conv 1x1 + BN + '
-             'relu) on (2, 16, 2, 2) per device, forward + backward + waitall, medians of %d '
-             'interleaved steps; in brackets: ratio to plain nn.BatchNorm in the same process, '
-             'and milliseconds added per BN call per device.'
-             % (time.strftime('%Y-%m-%d'), os.cpu_count(), args.operator,
-                ', temp_slots=%d' % args.temp_slots if args.temp_slots else '', LAYERS,
-                args.steps),
+    name = 'overhead-' + BACKEND[args.operator]
+    if args.n != DEFAULT_N:
+        name += '-n' + '-'.join(map(str, args.n))
+    run = report.Run(name, args.out, smoke=args.steps < MIN_STEPS)
+    lines = ['CPU contexts, every process under `configure_cpu_contexts(N%s)`. %d x (conv 1x1 + '
+             'BN + relu) on (2, 16, 2, 2) per device, forward + backward + waitall, medians of '
+             '%d interleaved steps after %d warm-up steps; in brackets: ratio to plain '
+             'nn.BatchNorm in the same process, and milliseconds added per BN call per device.'
+             % (', temp_slots=%d' % args.temp_slots if args.temp_slots else '', LAYERS,
+                args.steps, args.warmup),
              '',
              '| N | mode | nn.BatchNorm | contrib SyncBatchNorm | gluon_syncbn | ours / contrib |',
              '|---|---|---|---|---|---|']
-    raw = []
+    raw, ran, headline = [], set(), []
     for n in args.n:
         for hybridize in (True, False):
             res = measure(n, hybridize, args)
             raw.append(dict(n=n, hybridize=hybridize, result=res))
+            if res.get('operator'):
+                ran.add(res['operator'])
             lines.append(row(n, hybridize, res))
             print(lines[-1], flush=True)
-    open(args.out + '.md', 'w').write('\n'.join(lines) + '\n')
-    json.dump(raw, open(args.out + '.json', 'w'), indent=1)
-    print('\n'.join(lines))
+            ours, plain = res.get('ours'), res.get('plain')
+            headline.append('N=%d %s %s' % (n, 'hyb' if hybridize else 'imp', (
+                '%+.3f ms/call' % (1e3 * (ours - plain) / (LAYERS * n))
+                if isinstance(ours, float) and isinstance(plain, float) else str(ours)[:40])))
+    run.write('Host cost per BN call: %d-layer stack on tiny tensors (bench_overhead.py)'
+              % LAYERS, report.backend_text(ran) + ' (--operator %s)' % args.operator,
+              lines, raw, 'gluon_syncbn ' + ', '.join(headline))
 
 
 if __name__ == '__main__':

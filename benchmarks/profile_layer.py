@@ -1,8 +1,15 @@
 """Where a SyncBatchNorm call spends its time: the layer and its pieces on one
 (8, 64, 32, 32) tensor, forward + backward unless marked, one CPU context.
 
-    python benchmarks/profile_layer.py
+    python benchmarks/profile_layer.py              # -> results/profile_layer.{md,json}
+    python benchmarks/profile_layer.py --runs 2 --out /tmp/profile   # smoke
+
+Medians of ``--runs`` timed runs after 5 untimed ones; fewer than 10 is a
+smoke run (see report.py).
 """
+import argparse
+import os
+import sys
 import time
 
 import numpy as np
@@ -11,10 +18,16 @@ import gluon_syncbn
 import mxnet as mx
 from mxnet import autograd
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import report  # noqa: E402
+
 gluon_syncbn.configure_cpu_contexts(2)
+RUNS = {'n': 30}
+TIMES = {}
 
 
-def bench(name, f, grad=True, n=30):
+def bench(name, f, grad=True):
+    n = RUNS['n']
     ts = []
     for i in range(n + 5):
         t = time.perf_counter()
@@ -27,10 +40,17 @@ def bench(name, f, grad=True, n=30):
         mx.nd.waitall()
         if i >= 5:
             ts.append(time.perf_counter() - t)
-    print('%-48s %7.2f ms' % (name, 1e3 * sorted(ts)[len(ts) // 2]))
+    TIMES[name] = ts
+    print('%-48s %7.2f ms' % (name, 1e3 * sorted(ts)[len(ts) // 2]), flush=True)
 
 
 def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument('--runs', type=int, default=30)
+    report.add_arguments(parser)
+    args = parser.parse_args()
+    RUNS['n'] = args.runs
+    run = report.Run('profile_layer', args.out, smoke=args.runs < 10)
     ctxs = [mx.cpu(0), mx.cpu(1)]
     x = mx.nd.array(np.random.randn(8, 64, 32, 32))
     x.attach_grad()
@@ -58,6 +78,15 @@ def main():
     mm, mv = mx.nd.zeros(64), mx.nd.ones(64)
     bench('BatchNorm(use_global_stats), forward only',
           lambda: mx.nd.BatchNorm(x, g, b, mm, mv, use_global_stats=True), grad=False)
+    med = {name: 1e3 * sorted(ts)[len(ts) // 2] for name, ts in TIMES.items()}
+    lines = ['One (8, 64, 32, 32) float32 tensor, forward + backward unless marked, '
+             'medians of %d runs in ms; SyncBatchNorm on 2 CPU contexts (both calls).'
+             % args.runs, '', '| call | ms |', '|---|---|']
+    lines += ['| %s | %.2f |' % kv for kv in med.items()]
+    run.write('Where a SyncBatchNorm call spends its time (profile_layer.py)',
+              report.backend_text(report.operators(sync), others=('nn.BatchNorm',)),
+              lines, TIMES, 'nn.BatchNorm %.2f ms, SyncBatchNorm pair %.2f ms' % (
+                  med['nn.BatchNorm'], med['SyncBatchNorm, 2 contexts (both calls)']))
 
 
 if __name__ == '__main__':
