@@ -339,10 +339,14 @@ def choose_operator(host_memory, cross_process):
     functions = async_operator() if host_memory else exchange_operator()
     if functions is not None:
         return kind, ''
-    verdict = _state['verdicts'].get(kind) or _state['verdicts'].get('async')
-    why = _state['why_not'] or ('the %s operator failed its self-test: %s' % (kind, verdict)
-                                if verdict else 'the %s operator is not registered' % kind)
-    return 'python', why
+    if _state['why_not']:
+        return 'python', _state['why_not']
+    # The exchange operator is registered only beside the asynchronous one.
+    failed = kind if kind in _state['verdicts'] else 'async'
+    verdict = _state['verdicts'].get(failed)
+    if verdict == 'ok':
+        return 'python', "MXNet's registry refused the %s operator" % failed
+    return 'python', 'the %s operator failed its self-test: %s' % (failed, verdict)
 
 
 def async_operator():
