@@ -117,7 +117,7 @@ def worker(cfg):
             step()
             times[norm].append(time.perf_counter() - t)
     return {'times': times, 'rss_mb': psutil.Process().memory_info().rss / 2 ** 20,
-            'warmup_steps': warmup, 'operator': '+'.join(report.operators(nets['ours']))
+            'warmup_steps': warmup, 'operator': report.operator_of(nets['ours'])
             if 'ours' in nets else None}
 
 
@@ -194,7 +194,7 @@ def overhead_worker(cfg):
             if i >= 20:
                 times[name].append((time.perf_counter() - t) / len(xs))
     return {'times': times,
-            'operator': '+'.join(report.operators(layers['SyncBatchNorm'])) or None}
+            'operator': report.operator_of(layers['SyncBatchNorm'])}
 
 
 def memory_worker(cfg):
@@ -234,7 +234,7 @@ def memory_worker(cfg):
             rss[step] = psutil.Process().memory_info().rss / 2 ** 20
     return {'rss_mb': rss, 'temp_slots': os.environ.get('MXNET_CPU_TEMP_COPY'),
             'random_slots': os.environ.get('MXNET_CPU_PARALLEL_RAND_COPY'),
-            'operator': '+'.join(report.operators(net)) or None}
+            'operator': report.operator_of(net)}
 
 
 # ----------------------------------------------------------------- driver side

@@ -92,7 +92,7 @@ def worker(cfg):
             run(net, trainer, xs)
             if i >= cfg['warmup']:
                 times[name].append(time.perf_counter() - start)
-    operator = '+'.join(report.operators(variants['sync'][0])) or None
+    operator = report.operator_of(variants['sync'][0])
     print('RESULT ' + json.dumps({'rank': rank, 'times': times, 'operator': operator}),
           flush=True)
 

@@ -94,7 +94,7 @@ def worker(cfg):
                 times[kind].append(time.perf_counter() - t)
     res = {kind: sorted(ts)[len(ts) // 2] for kind, ts in times.items()}
     if 'ours' in nets:
-        res['operator'] = '+'.join(report.operators(nets['ours'])) or None
+        res['operator'] = report.operator_of(nets['ours'])
     return res
 
 

@@ -84,7 +84,7 @@ def main():
              % args.runs, '', '| call | ms |', '|---|---|']
     lines += ['| %s | %.2f |' % kv for kv in med.items()]
     run.write('Where a SyncBatchNorm call spends its time (profile_layer.py)',
-              report.backend_text(report.operators(sync), others=('nn.BatchNorm',)),
+              report.backend_text([report.operator_of(sync)], others=('nn.BatchNorm',)),
               lines, TIMES, 'nn.BatchNorm %.2f ms, SyncBatchNorm pair %.2f ms' % (
                   med['nn.BatchNorm'], med['SyncBatchNorm, 2 contexts (both calls)']))
 

@@ -10,8 +10,8 @@ not a smoke run, written into ``results/``) also appends one line to
 minimum, which the script states) without ``--out`` writes into
 ``benchmarks/scratch/`` (not tracked) and records no history.
 
-Worker side: ``operators(block)`` names the gluon_syncbn operators a block's
-layers ran ('async', 'exchange' or 'python'; read after a first call).
+Worker side: ``operator_of(block)`` names the gluon_syncbn operator(s) a
+block's layers ran ('async', 'exchange' or 'python'; read after a first call).
 """
 import json
 import os
@@ -32,8 +32,9 @@ HISTORY_HEAD = ('# Benchmark history\n\nOne line per accepted run (see README.md
 
 
 # ----------------------------------------------------------------- worker side
-def operators(block):
-    """Sorted names of the operators that gluon_syncbn's layers in ``block`` ran."""
+def operator_of(block):
+    """The operator(s) gluon_syncbn's layers in ``block`` ran, '+'-joined
+    ('async', 'exchange', 'python', or e.g. 'async+python'), or None."""
     found = set()
 
     def look(b):
@@ -41,7 +42,7 @@ def operators(block):
         if group is not None and hasattr(group, 'operator'):
             found.add(group.operator)
     block.apply(look)
-    return sorted(found)
+    return '+'.join(sorted(found)) or None
 
 
 # ----------------------------------------------------------------- driver side
