@@ -16,6 +16,7 @@ alone beside plain in a fresh process, so the others still get their numbers.
     python benchmarks/bench_overhead.py --operator python   # -> results/overhead-python
     python benchmarks/bench_overhead.py --n 2 --operator native-device  # -> results/overhead-exchange-n2
     python benchmarks/bench_overhead.py --n 2 --steps 2 --warmup 1 --out /tmp/smoke  # smoke
+    python benchmarks/bench_overhead.py --modes hybridized --repeat 3   # the spread, 3 processes each
 
 ``--operator`` picks gluon_syncbn's operator (the result file is named by the
 one it selects; the header says which ran): ``native`` is the asynchronous
@@ -138,7 +139,7 @@ def row(n, hybridize, res):
         else:
             cells.append(str(t if t is not None else res.get('first try')))
     ours, contrib = res.get('ours'), res.get('contrib')
-    versus = ('%.1fx' % (ours / contrib) if isinstance(ours, float) and
+    versus = ('%.2fx' % (ours / contrib) if isinstance(ours, float) and
               isinstance(contrib, float) else '-')
     return '| %d | %s | %s | %s | %s | %s |' % (
         n, mode, '%.1f ms' % (1e3 * plain) if isinstance(plain, float) else '-',
@@ -156,6 +157,10 @@ def main():
     parser.add_argument('--operator', default='native', choices=sorted(BACKEND),
                         help="gluon_syncbn's operator (GLUON_SYNCBN_OPERATOR), '-device' "
                              "for the GPU path (GLUON_SYNCBN_DEVICE_PATH=1)")
+    parser.add_argument('--modes', nargs='*', default=['hybridized', 'imperative'],
+                        choices=['hybridized', 'imperative'])
+    parser.add_argument('--repeat', type=int, default=1,
+                        help='processes per (N, mode): a row each, for the spread between them')
     parser.add_argument('--temp-slots', type=int, default=None,
                         help='configure_cpu_contexts(N, temp_slots=...): the default '
                              '(1024 at N = 8) is too few for three such nets in one process')
@@ -164,6 +169,10 @@ def main():
     name = 'overhead-' + BACKEND[args.operator]
     if args.n != DEFAULT_N:
         name += '-n' + '-'.join(map(str, args.n))
+    if args.modes != ['hybridized', 'imperative']:
+        name += '-' + '-'.join(args.modes)
+    if args.repeat > 1:
+        name += '-x%d' % args.repeat
     run = report.Run(name, args.out, smoke=args.steps < MIN_STEPS)
     lines = ['CPU contexts, every process under `configure_cpu_contexts(N%s)`. %d x (conv 1x1 + '
              'BN + relu) on (2, 16, 2, 2) per device, forward + backward + waitall, medians of '
@@ -175,18 +184,19 @@ def main():
              '| N | mode | nn.BatchNorm | contrib SyncBatchNorm | gluon_syncbn | ours / contrib |',
              '|---|---|---|---|---|---|']
     raw, ran, headline = [], set(), []
-    for n in args.n:
-        for hybridize in (True, False):
-            res = measure(n, hybridize, args)
-            raw.append(dict(n=n, hybridize=hybridize, result=res))
-            if res.get('operator'):
-                ran.add(res['operator'])
-            lines.append(row(n, hybridize, res))
-            print(lines[-1], flush=True)
-            ours, plain = res.get('ours'), res.get('plain')
-            headline.append('N=%d %s %s' % (n, 'hyb' if hybridize else 'imp', (
-                '%+.3f ms/call' % (1e3 * (ours - plain) / (LAYERS * n))
-                if isinstance(ours, float) and isinstance(plain, float) else str(ours)[:40])))
+    runs = [(n, mode == 'hybridized') for n in args.n for mode in args.modes
+            for _ in range(args.repeat)]
+    for n, hybridize in runs:
+        res = measure(n, hybridize, args)
+        raw.append(dict(n=n, hybridize=hybridize, result=res))
+        if res.get('operator'):
+            ran.add(res['operator'])
+        lines.append(row(n, hybridize, res))
+        print(lines[-1], flush=True)
+        ours, plain = res.get('ours'), res.get('plain')
+        headline.append('N=%d %s %s' % (n, 'hyb' if hybridize else 'imp', (
+            '%+.3f ms/call' % (1e3 * (ours - plain) / (LAYERS * n))
+            if isinstance(ours, float) and isinstance(plain, float) else str(ours)[:40])))
     run.write('Host cost per BN call: %d-layer stack on tiny tensors (bench_overhead.py)'
               % LAYERS, report.backend_text(ran) + ' (--operator %s)' % args.operator,
               lines, raw, 'gluon_syncbn ' + ', '.join(headline))

@@ -12,7 +12,7 @@ from mxnet.gluon.parameter import DeferredInitializationError
 from . import native
 from . import op as _op
 from .hooks import CENTER_OP, request_retrace
-from .mxnet_private import dtype_name, operator_dtype
+from .mxnet_private import amp_initialized, dtype_name, operator_dtype
 
 __all__ = ['LOW_PRECISION', 'VectorGraph', 'channel_affine', 'ChannelMoments']
 
@@ -131,11 +131,62 @@ class VectorGraph(object):
         half = dtype in LOW_PRECISION
         # Statistics in at least float32: float16 input is widened, then narrowed back.
         xs = F.Cast(x, dtype='float32') if half else x
-        if not imperative and dtype == 'float32' and not self.group.host_memory:
+        if (not imperative and dtype == 'float32' and not self.group.host_memory
+                and amp_initialized()):
             # Under AMP (amp.init()) a traced graph is fed float16 it cannot
             # see: amp_cast widens float16/bfloat16 and leaves float32 alone.
             # (Not for float64 networks: on CPU it is MKL-DNN's and refuses it.)
             xs = F.amp_cast(x, dtype='float32')
+        if self.exchange is not None:
+            out = self._exchange_graph(F, xs, gamma, beta, running_mean, running_var)
+        else:
+            out = self._python_graph(F, x, xs, gamma, beta, running_mean, running_var, imperative)
+        # The head gradient enters through the last operator: Cast's and
+        # reshape_like's backward convert it to the output's dtype, where
+        # MXNet's broadcast operators would refuse any other (AMP makes
+        # float16 heads for float32 outputs).
+        if half:
+            return F.Cast(out, dtype=operator_dtype(dtype))
+        return F.reshape_like(out, xs) if self.exchange is not None else out
+
+    def _exchange_graph(self, F, xs, gamma, beta, running_mean, running_var):
+        """The exchange operator's graph: 12 operators, each a kernel on a GPU.
+
+        The centre m1 is the mean MXNet computes, blocked for autograd at its
+        input (the output does not depend on it; blocked at its output, the
+        mean's backward would still run). Its float32 rounding is what m2
+        corrects: at |mean| >> std it is worth many standard deviations' worth
+        of the data's precision, which m1 + m2 keeps.
+        """
+        axis = self.kwargs['axis']
+        m1 = F.mean(F.BlockGrad(xs), axis=axis, exclude=True, keepdims=True)
+        xc = F.broadcast_sub(xs, m1)
+        m2 = F.mean(xc, axis=axis, exclude=True)
+        v = F.mean(F.square(xc), axis=axis, exclude=True)
+        scale, shift = self._exchange(F, F.reshape(m1, shape=(-1,)), m2, v, xc, gamma, beta,
+                                      running_mean, running_var, self.static_shape)
+        return F.broadcast_add(F.broadcast_mul(xc, scale), shift)
+
+    def _exchange(self, F, m1, m2, v, data, gamma, beta, running_mean, running_var,
+                  static_shape):
+        """The exchange operator on this device's (C,) moments: the (scale,
+        shift) that normalize ``x - m1``, each shaped to broadcast against
+        ``data``, whose shape gives the sample count."""
+        kwargs = self.kwargs
+        stat = 'float64' if self.dtype == 'float64' else 'float32'
+        g, b = ((gamma, beta) if self.param_dtype == stat else
+                (F.Cast(gamma, dtype=stat), F.Cast(beta, dtype=stat)))
+        out = self.exchange[F](F.concat(m1, m2, v, g, b, dim=0), data, gamma, beta,
+                               running_mean, running_var, group=self.group.group_id,
+                               eps=kwargs['eps'], momentum=kwargs['momentum'],
+                               fix_gamma=kwargs['fix_gamma'], static_shape=static_shape,
+                               axis=kwargs['axis'], input_dtype=self.dtype, name='sync')
+        return F.split(out, num_outputs=2, axis=0, squeeze_axis=True)
+
+    def _python_graph(self, F, x, xs, gamma, beta, running_mean, running_var, imperative):
+        """The Python operator's graph, with MKL-DNN's fast operators where
+        they run (see ChannelMoments and channel_affine)."""
+        axis = self.kwargs['axis']
         # The fast operators (see channel_affine and ChannelMoments) need the
         # channel count: known in imperative mode; while a deferred-init graph
         # is traced, not yet, so the graph is traced once more after its first
@@ -143,7 +194,7 @@ class VectorGraph(object):
         # nets on 4 CPU contexts deadlocked in MXNet's own convolution and
         # FullyConnected (GPUs: untested, so MXNet's broadcast operators there).
         channels = 0
-        if axis == 1 and self.fast_ops and dtype != 'float64':
+        if axis == 1 and self.fast_ops and self.dtype != 'float64':
             channels = x.shape[axis] if imperative else self.channels
             if channels == 0:
                 request_retrace()
@@ -166,60 +217,29 @@ class VectorGraph(object):
             xc = channel_affine(F, xs, F.ones_like(m1), -m1, channels, name=CENTER_OP)
         else:
             xc = F.broadcast_sub(xs, m1)
-        # The exchange operator takes them flat (C,): fewer reshapes, each of
-        # which holds a temp-space slot on CPU contexts (see ChannelMoments).
-        flat = not channels and self.exchange is not None
-        m2 = moments(xc, keepdims=not flat)
-        sqdev = moments(F.square(xc), keepdims=not flat)
-        scale, shift = self._synchronize(F, m1, m2, sqdev, F.BlockGrad(F.shape_array(x)),
-                                         gamma, beta, running_mean, running_var,
-                                         self.static_shape, channels > 0)
+        m2 = moments(xc)
+        sqdev = moments(F.square(xc))
+        scale, shift = self._python_op(F, m1, m2, sqdev, F.BlockGrad(F.shape_array(x)),
+                                       gamma, beta, running_mean, running_var,
+                                       self.static_shape, channels > 0)
         out = channel_affine(F, xc, scale, shift, channels)
         if channels:
             # Through a 3-D shape: reshaped straight back to 4-D, the
             # convolution's output kept its MKL-DNN (N, C, 1, L) layout, and a
             # Pooling after the layer then failed in backward (hybridized).
             out = F.squeeze(out, axis=2)
-        if axis == 1:
-            out = F.reshape_like(out, x)
-        return F.Cast(out, dtype=operator_dtype(dtype)) if half else out
+        return F.reshape_like(out, x) if axis == 1 else out
 
-    def _synchronize(self, F, m1, m2, sqdev, shape, gamma, beta, running_mean,
-                     running_var, static_shape, row_sums, m1_axes=None):
-        """The synchronization step on per-channel vectors: the native exchange
-        operator (native/exchange_op.h) on GPUs, else the Python operator
-        (op.py). Returns the (scale, shift) that normalize ``x - m1``."""
-        kwargs, dtype, group = self.kwargs, self.dtype, self.group
-        if self.exchange is not None and not row_sums:
-            # One packed vector in, one out: [m1 | m2 | v | shape | gamma | beta]
-            # (m2 and v come flat) to [scale | shift]. The operator also takes
-            # m1, gamma and beta for their shapes only (deferred initialization
-            # infers gamma's from m1's); the Concat's backward hands their
-            # gradients on.
-            stat = 'float64' if dtype == 'float64' else 'float32'
-            g, b = (gamma, beta) if self.param_dtype == stat else (F.Cast(gamma, dtype=stat),
-                                                                   F.Cast(beta, dtype=stat))
-            # axis 1: m1 is (1, C, 1) and squeeze, unlike reshape, holds no
-            # temp-space slot on CPU (see channel_affine).
-            if m1_axes is None and kwargs['axis'] == 1:
-                m1_axes = (0, 2)  # the (N, C, L) view's
-            flat_m1 = (F.squeeze(m1, axis=m1_axes) if m1_axes is not None
-                       else F.reshape(m1, shape=(-1,)))
-            packed = F.concat(flat_m1, m2, sqdev,
-                              F.Cast(shape, dtype=stat), g, b, dim=0)
-            out = self.exchange[F](packed, m1, gamma, beta, running_mean, running_var,
-                                   group=group.group_id, eps=kwargs['eps'],
-                                   momentum=kwargs['momentum'],
-                                   fix_gamma=kwargs['fix_gamma'], static_shape=static_shape,
-                                   input_dtype=dtype, name='sync')
-            scale, shift = F.split(out, num_outputs=2, axis=0)
-            return F.reshape_like(scale, m1), F.reshape_like(shift, m1)
+    def _python_op(self, F, m1, m2, sqdev, shape, gamma, beta, running_mean, running_var,
+                   static_shape, row_sums):
+        """The Python operator (op.py): the (scale, shift) that normalize ``x - m1``."""
+        kwargs = self.kwargs
         scale, shift, _ = F.Custom(
             m1, m2, sqdev, shape, gamma, beta, running_mean, running_var,
             op_type=_op.OP_TYPE,
-            group=group.group_id, eps=kwargs['eps'], momentum=kwargs['momentum'],
+            group=self.group.group_id, eps=kwargs['eps'], momentum=kwargs['momentum'],
             fix_gamma=kwargs['fix_gamma'], static_shape=static_shape, row_sums=row_sums,
-            input_dtype=dtype, name='sync')
+            input_dtype=self.dtype, name='sync')
         return scale, shift
 
     def _empty_slice(self, F, x, gamma, beta, running_mean, running_var):
@@ -232,9 +252,12 @@ class VectorGraph(object):
         stat_shape = tuple(x.shape[axis] if i == axis else 1 for i in range(x.ndim))
         zeros = F.zeros(stat_shape, ctx=x.context,
                         dtype='float32' if dtype in LOW_PRECISION else dtype)
-        flat = zeros.reshape(-1) if self.exchange is not None else zeros
-        scale, _ = self._synchronize(F, zeros, flat, flat, F.shape_array(x), gamma,
-                                     beta, running_mean, running_var, False, False,
-                                     m1_axes=tuple(i for i in range(x.ndim) if i != axis))
+        if self.exchange is not None:
+            flat = zeros.reshape(-1)
+            scale, _ = self._exchange(F, flat, flat, flat, x, gamma, beta, running_mean,
+                                      running_var, False)
+        else:
+            scale, _ = self._python_op(F, zeros, zeros, zeros, F.shape_array(x), gamma, beta,
+                                       running_mean, running_var, False, False)
         # Not broadcast_add: its backward over a size-0 array segfaults in 1.9.1.
         return F.broadcast_mul(x, F.Cast(scale, dtype=operator_dtype(dtype)))

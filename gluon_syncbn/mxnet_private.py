@@ -86,9 +86,12 @@ NumPy mode (``block``)
     ``as_nd_ndarray()``/``as_np_ndarray()`` are views that keep the autograd
     entry (``MXShallowCopyNDArray``).
 
-AMP (``block``)
+AMP (``graph``, :func:`amp_initialized`)
     ``Custom`` and ``Cast`` are on AMP's float32 lists; ``amp_cast`` widens
     float16/bfloat16 only, and on CPU is MKL-DNN's (refuses float64).
+    ``amp.init()`` wraps the operator functions of ``mx.sym`` and ``mx.nd``
+    once, and says so in ``amp._amp_initialized``: only graphs traced after
+    it can be fed float16 they do not declare.
 
 The user's kvstore (``transport._serialize_calls``)
     Its methods are wrapped to take one lock, and ``init``/``broadcast`` drain
@@ -116,9 +119,16 @@ import ctypes
 import numpy as np
 from mxnet.base import _LIB, check_call
 
-__all__ = ['host_view', 'dtype_name', 'operator_dtype', 'operator_functions']
+__all__ = ['host_view', 'dtype_name', 'operator_dtype', 'operator_functions',
+           'amp_initialized']
 
 _BFLOAT16 = np.dtype([('bfloat16', np.uint16)])
+
+
+def amp_initialized():
+    """Whether ``mxnet.contrib.amp.init()`` has run in this process."""
+    from mxnet.contrib.amp import amp
+    return bool(getattr(amp, '_amp_initialized', True))
 
 
 def dtype_name(dtype):

@@ -267,11 +267,13 @@ void async_backward(const mxnet::OpStatePtr& state_ptr, const mxnet::OpContext& 
 
 // ------------------------------------------------------------ registration --
 
-bool async_infer_shape(const nnvm::NodeAttrs& attrs, mxnet::ShapeVector* in,
-                       mxnet::ShapeVector* out) {
-  const mxnet::TShape& data = (*in)[0];
-  if (!mxnet::ndim_is_known(data)) return false;
-  const Params p = node_params(attrs);
+// The channel count of the layer's input `data` (checked: 2 to 5 dimensions,
+// the axis in range), with the per-channel inputs in[first .. first + 3]
+// (gamma, beta, running_mean, running_var) set to (C,); -1 while data's
+// dimensions are unknown.
+int64_t infer_channels(const Params& p, const mxnet::TShape& data, mxnet::ShapeVector* in,
+                       int first, int* axis_out) {
+  if (!mxnet::ndim_is_known(data)) return -1;
   const int ndim = data.ndim();
   std::string name = layer_name(p);
   CHECK(ndim >= 2 && ndim <= 5) << "SyncBatchNorm '" << name << "' expects input of 2 to 5 "
@@ -280,16 +282,25 @@ bool async_infer_shape(const nnvm::NodeAttrs& attrs, mxnet::ShapeVector* in,
   CHECK(axis >= 0 && axis < ndim) << "SyncBatchNorm '" << name << "': axis=" << p.axis
       << " is out of range for input of " << ndim << " dimensions.";
   const int64_t channels = data[axis];
-  const char* names[] = {"", "gamma", "beta", "running_mean", "running_var"};
-  for (int i = 1; i < 5; ++i) {
-    const mxnet::TShape& s = (*in)[i];
+  const char* names[] = {"gamma", "beta", "running_mean", "running_var"};
+  for (int i = 0; i < 4; ++i) {
+    const mxnet::TShape& s = (*in)[first + i];
     if (mxnet::ndim_is_known(s) && s.ndim() == 1 && s[0] > 0 && s[0] != channels && channels > 0)
       LOG(FATAL) << "SyncBatchNorm '" << name << "': input has " << channels
                  << " channels on axis " << p.axis << " but " << names[i] << " has shape ("
                  << s[0] << ",). Set in_channels=" << channels << " or feed " << s[0]
                  << " channels.";
-    (*in)[i] = mxnet::TShape(1, channels);
+    (*in)[first + i] = mxnet::TShape(1, channels);
   }
+  *axis_out = axis;
+  return channels;
+}
+
+bool async_infer_shape(const nnvm::NodeAttrs& attrs, mxnet::ShapeVector* in,
+                       mxnet::ShapeVector* out) {
+  const mxnet::TShape& data = (*in)[0];
+  int axis = 0;
+  if (infer_channels(node_params(attrs), data, in, 1, &axis) < 0) return false;
   (*out)[0] = data;
   return mxnet::shape_is_known(data);
 }

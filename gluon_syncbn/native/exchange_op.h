@@ -3,10 +3,11 @@
 // contexts in MXNet's C++ registry, see mxnet_abi.h), with no thread blocked
 // and no synchronous copy.
 //
-//   forward:  packed [m1 | m2 | v | shape | gamma | beta] (the block's concat),
-//             m1, gamma, beta (their shapes only), running mean/var (mutated)
-//             -> packed [scale | shift]
-//   backward: d [scale | shift] -> d packed (m1's and shape's parts zero)
+//   forward:  packed [m1 | m2 | v | gamma | beta] (the block's concat), data,
+//             gamma, beta (their shapes only), running mean/var (mutated)
+//             -> [scale ; shift], shape (2, 1, .., C, .., 1): each half
+//             broadcasts against data
+//   backward: d [scale ; shift] -> d packed (m1's part zero)
 //
 // Its compute function never touches device memory. It issues MXNet's own
 // engine copies (CopyFromTo) from a fresh-variable view of the packed input to
@@ -25,8 +26,10 @@
 // would wait for the operator while the operator waits for the copy. The
 // views' memory is the operator's, alive until it completes.
 //
-// The forward's statistics, m1, gamma and count stay in the state for the
-// backward call: one packed copy each way per call, forward and backward.
+// The sample count and the output's shape come from data's shape, which
+// needs no copy; the forward's statistics, m1, gamma and count stay in the
+// state for the backward call: one packed copy each way per call, forward
+// and backward.
 #pragma once
 #include "mxnet_abi.h"
 #include "async_op.h"
@@ -64,15 +67,18 @@ struct NoBulk {
 
 bool on_gpu(const mxnet::NDArray& a) { return a.ctx().dev_type == mxnet::Context::kGPU; }
 
-// A new engine variable over a's memory (see above).
+// A new engine variable over a's memory (see above), flat like the staging
+// arrays it is copied to and from.
 mxnet::NDArray fresh_view(const mxnet::NDArray& a) {
-  return mxnet::NDArray(a.data(), a.ctx().dev_id);
+  return mxnet::NDArray(a.data().reshape(mxnet::TShape(1, a.shape().Size())), a.ctx().dev_id);
 }
 
-// Host memory for copies to and from `like`'s device: pinned for a GPU.
+// Host memory for copies to and from `like`'s device: pinned for a GPU; for a
+// CPU context that context itself, whose worker runs copies from it (MXNet
+// runs a CPU-to-CPU copy on the source's), not cpu(0)'s.
 mxnet::NDArray staging(const mxnet::NDArray& like, int64_t size, int dtype) {
   const mxnet::Context ctx = on_gpu(like) ? mxnet::Context::CPUPinned(like.ctx().dev_id)
-                                          : mxnet::Context::CPU();
+                                          : like.ctx();
   return mxnet::NDArray(mxnet::TShape(1, size), ctx, false, dtype);
 }
 
@@ -119,27 +125,57 @@ bool copy_to(const mxnet::NDArray& from, const mxnet::NDArray& to, std::string* 
   }
 }
 
-// Queue running = running * momentum + batch * (1 - momentum) on `running`
-// (an array on any device) with MXNet's own operators, without waiting: the
-// read-modify-write runs in engine order, after every operation already
-// issued on `running` and before every later one, however far the main
-// thread runs ahead (a new value computed from a read made now, then copied
-// in, would lose an update queued in between). The batch share reaches the
-// device by an engine copy.
-bool queue_running_update(const mxnet::NDArray& running, const std::vector<double>& batch,
-                          double momentum, std::string* error) {
-  const int64_t C = static_cast<int64_t>(batch.size());
-  mxnet::NDArray share(mxnet::TShape(1, C), running.ctx(), false, running.dtype());
-  mxnet::NDArray host = on_gpu(running) ? staging(running, C, running.dtype()) : share;
+// An NDArray handle of the C API, freed at scope exit.
+struct Handle {
+  NDArrayHandle h = nullptr;
+  ~Handle() {
+    if (h != nullptr) MXNDArrayFree(h);
+  }
+};
+
+// Elements [begin, begin + n) of the 1-D array `a` as a (1, n) matrix: the
+// same memory and engine variable.
+bool row_view(const mxnet::NDArray& a, int64_t begin, int64_t n, Handle* out) {
+  Handle part;
+  dim_t dims[2] = {1, n};
+  return MXNDArraySlice(const_cast<mxnet::NDArray*>(&a), static_cast<uint32_t>(begin),
+                        static_cast<uint32_t>(begin + n), &part.h) == 0 &&
+         MXNDArrayReshape64(part.h, 2, dims, false, &out->h) == 0;
+}
+
+// Queue running = momentum * running + (1 - momentum) * batch for the running
+// mean and variance (arrays on any device) with MXNet's own operators,
+// without waiting: each read-modify-write runs in engine order, after every
+// operation already issued on the array and before every later one, however
+// far the main thread runs ahead (a new value computed from a read made now,
+// then copied in, would lose an update queued in between). One linalg_gemm
+// per array, C := alpha * A * B + beta * C with A = [1], B the batch's
+// statistics and alpha, beta in double; [1 | mean | var] reaches the device
+// by one engine copy.
+bool queue_running_updates(const std::vector<mxnet::NDArray>& running, const Info& stats,
+                           double momentum, std::string* error) {
+  const mxnet::NDArray& like = running[0];
+  const int64_t C = static_cast<int64_t>(stats.mean.size());
+  mxnet::NDArray batch(mxnet::TShape(1, 1 + 2 * C), like.ctx(), false, like.dtype());
+  mxnet::NDArray host = on_gpu(like) ? staging(like, 1 + 2 * C, like.dtype()) : batch;
   Array h = host_array(host);
-  for (int64_t c = 0; c < C; ++c) put(h, c, batch[c] * (1.0 - momentum), 1);
-  if (on_gpu(running) && !copy_to(host, share, error)) return false;
-  char scalar[32];
-  std::snprintf(scalar, sizeof(scalar), "%.17g", momentum);
-  void* r = const_cast<mxnet::NDArray*>(&running);
-  void* s = &share;
-  if (!invoke("_mul_scalar", {r}, r, {"scalar"}, {scalar}) ||
-      !invoke("elemwise_add", {r, s}, r, {}, {})) {
+  put(h, 0, 1.0, 1);
+  for (int64_t c = 0; c < C; ++c) {
+    put(h, 1 + c, stats.mean[c], 1);
+    put(h, 1 + C + c, stats.var[c], 1);
+  }
+  if (on_gpu(like) && !copy_to(host, batch, error)) return false;
+  char alpha[32], beta[32];
+  std::snprintf(alpha, sizeof(alpha), "%.17g", 1.0 - momentum);
+  std::snprintf(beta, sizeof(beta), "%.17g", momentum);
+  Handle one, mean, var, running_mean, running_var;
+  if (!row_view(batch, 0, 1, &one) || !row_view(batch, 1, C, &mean) ||
+      !row_view(batch, 1 + C, C, &var) || !row_view(running[0], 0, C, &running_mean) ||
+      !row_view(running[1], 0, C, &running_var) ||
+      !invoke("_linalg_gemm", {one.h, mean.h, running_mean.h}, running_mean.h,
+              {"alpha", "beta"}, {alpha, beta}) ||
+      !invoke("_linalg_gemm", {one.h, var.h, running_var.h}, running_var.h,
+              {"alpha", "beta"}, {alpha, beta})) {
     *error = MXGetLastError();
     return false;
   }
@@ -168,7 +204,7 @@ mxnet::OpStatePtr exchange_create_state(const nnvm::NodeAttrs& attrs, mxnet::Con
   return make_state(state, layer_variable(state->op.params.group_id, state->op.device));
 }
 
-// Inputs: packed, m1, gamma, beta, running_mean, running_var.
+// Inputs: packed, data, gamma, beta, running_mean, running_var.
 void exchange_op_forward(const mxnet::OpStatePtr& state_ptr, const mxnet::OpContext& ctx,
                       const std::vector<mxnet::NDArray>& in,
                       const std::vector<mxnet::OpReqType>& req,
@@ -184,11 +220,11 @@ void exchange_op_forward(const mxnet::OpStatePtr& state_ptr, const mxnet::OpCont
   const int64_t C = static_cast<int64_t>(in[4].shape().Size());
   const mxnet::NDArray packed = plain(in[0]);
   const int64_t P = static_cast<int64_t>(packed.shape().Size());
-  const int64_t ndim = P - 5 * C;
-  if (ndim < 1 || ndim > 5 || req[0] == kAddTo)
+  if (P != 5 * C || C == 0 || req[0] == kAddTo)
     return complete(on_complete, in_layer(gp->name, "the exchange operator got a packed input "
                                           "of " + std::to_string(P) + " elements for " +
                                           std::to_string(C) + " channels"));
+  const double count = static_cast<double>(in[1].shape().Size()) / static_cast<double>(C);
   const bool train = ctx.is_train;
   uint64_t token = 0;
   int64_t call = -1;
@@ -240,8 +276,7 @@ void exchange_op_forward(const mxnet::OpStatePtr& state_ptr, const mxnet::OpCont
       if (req[0] != kNull && !copy_to(out_host, out_view, &error))
         return fail_call(on_complete, *gp, error);
       if (train) {
-        if (!queue_running_update(running[0], stats.mean, p.momentum, &error) ||
-            !queue_running_update(running[1], stats.var, p.momentum, &error))
+        if (!queue_running_updates(running, stats, p.momentum, &error))
           return fail_call(on_complete, *gp, error);
         if (!ordered) wait.insert(wait.end(), running.begin(), running.end());
       }
@@ -261,10 +296,8 @@ void exchange_op_forward(const mxnet::OpStatePtr& state_ptr, const mxnet::OpCont
       const mxnet::NDArray& host = hosts[0];
       std::vector<double> m1 = read_host(host, 0, C), m2 = read_host(host, C, 2 * C),
                           v = read_host(host, 2 * C, 3 * C),
-                          shape = read_host(host, 3 * C, 3 * C + ndim),
-                          gamma = read_host(host, 3 * C + ndim, 4 * C + ndim),
-                          beta = read_host(host, 4 * C + ndim, 5 * C + ndim);
-      const double count = sample_count(shape, static_cast<size_t>(C));
+                          gamma = read_host(host, 3 * C, 4 * C),
+                          beta = read_host(host, 4 * C, 5 * C);
       s->m1 = m1;
       s->gamma = gamma;
       s->count = count;
@@ -276,7 +309,7 @@ void exchange_op_forward(const mxnet::OpStatePtr& state_ptr, const mxnet::OpCont
         return finish(m1, gamma, beta, stats);
       }
       std::vector<double> mean, var;
-      device_moments(p, m1, m2, v, count, &mean, &var);
+      device_moments(m1, m2, v, &mean, &var);
       exchange_async(*gp, Key(0, token, call), op.device, pack_forward(count, mean, var),
                      p.dtype_name,
                      [=](const std::string& error, const std::vector<double>& total) {
@@ -327,7 +360,6 @@ void exchange_op_backward(const mxnet::OpStatePtr& state_ptr, const mxnet::OpCon
   const int64_t C = static_cast<int64_t>(m1.size());
   const mxnet::NDArray dy = plain(in[0]);
   const int64_t P = static_cast<int64_t>(out[0].shape().Size());
-  const int64_t ndim = P - 5 * C;
   const mxnet::NDArray dy_view = fresh_view(dy);
   const mxnet::NDArray dy_host = staging(dy, 2 * C, dy.dtype());
   if (!copy_to(dy_view, dy_host, &error)) return fail_call(on_complete, *gp, error);
@@ -354,12 +386,12 @@ void exchange_op_backward(const mxnet::OpStatePtr& state_ptr, const mxnet::OpCon
         std::vector<double> d_m2, d_v;
         backward_moments(stats, m1, g_, inv_std, total, count, &d_m2, &d_v);
         Array h = host_array(gin_host);
-        for (int64_t i = 0; i < P; ++i) put(h, i, 0.0, 1);  // m1 and shape: constants
         for (int64_t c = 0; c < C; ++c) {
+          put(h, c, 0.0, 1);  // m1: a constant
           put(h, C + c, d_m2[c], 1);
           put(h, 2 * C + c, d_v[c], 1);
-          put(h, 3 * C + ndim + c, d_gamma[c], 1);
-          put(h, 4 * C + ndim + c, d_shift[c], 1);  // d beta = sum dy
+          put(h, 3 * C + c, d_gamma[c], 1);
+          put(h, 4 * C + c, d_shift[c], 1);  // d beta = sum dy
         }
         std::string failure;
         if (!copy_to(gin_host, gin_view, &failure))
@@ -382,27 +414,16 @@ void exchange_op_backward(const mxnet::OpStatePtr& state_ptr, const mxnet::OpCon
 
 bool exchange_infer_shape(const nnvm::NodeAttrs& attrs, mxnet::ShapeVector* in,
                           mxnet::ShapeVector* out) {
-  const mxnet::TShape& m1 = (*in)[1];
-  if (!mxnet::shape_is_known(m1)) return false;
-  const int64_t channels = static_cast<int64_t>(m1.Size());
-  const std::string name = layer_name(node_params(attrs));
-  const char* names[] = {"", "", "gamma", "beta", "running_mean", "running_var"};
-  for (int i = 2; i < 6; ++i) {
-    const mxnet::TShape& s = (*in)[i];
-    if (mxnet::ndim_is_known(s) && s.ndim() == 1 && s[0] > 0 && s[0] != channels)
-      LOG(FATAL) << "SyncBatchNorm '" << name << "': input has " << channels
-                 << " channels but " << names[i] << " has " << s[0] << " elements. Set "
-                 << "in_channels=" << channels << " or feed " << s[0] << " channels.";
-    (*in)[i] = mxnet::TShape(1, channels);
-  }
-  const mxnet::TShape& packed = (*in)[0];
-  if (mxnet::shape_is_known(packed)) {  // [m1 | m2 | v | shape | gamma | beta]
-    const int64_t ndim = static_cast<int64_t>(packed.Size()) - 5 * channels;
-    CHECK(ndim >= 2 && ndim <= 5) << "SyncBatchNorm '" << name << "' expects input of 2 to 5 "
-        "dimensions, got " << ndim << ". Reshape the input, e.g. to (N, C, L).";
-  }
-  (*out)[0] = mxnet::TShape(1, 2 * channels);
-  return mxnet::shape_is_known(packed);
+  const mxnet::TShape& data = (*in)[1];
+  int axis = 0;
+  const int64_t channels = infer_channels(node_params(attrs), data, in, 2, &axis);
+  if (channels < 0) return false;
+  (*in)[0] = mxnet::TShape(1, 5 * channels);  // [m1 | m2 | v | gamma | beta]
+  mxnet::TShape halves(data.ndim() + 1, 1);  // [scale ; shift], each shaped to broadcast
+  halves[0] = 2;
+  halves[axis + 1] = channels;
+  (*out)[0] = halves;
+  return true;
 }
 
 bool exchange_infer_type(const nnvm::NodeAttrs& attrs, std::vector<int>* in,
@@ -412,7 +433,7 @@ bool exchange_infer_type(const nnvm::NodeAttrs& attrs, std::vector<int>* in,
   CHECK(stat != kFloat16) << "SyncBatchNorm '" << layer_name(node_params(attrs))
       << "' got float16 statistics inside a hybridized graph: call net.cast('float16') so "
          "the layer knows to compute its statistics in float32.";
-  (*in)[1] = stat;
+  if ((*in)[1] < 0) (*in)[1] = stat;  // data: its shape only
   const int param = (*in)[2] >= 0 ? (*in)[2] : stat;
   for (int i = 2; i < 6; ++i) (*in)[i] = param;
   (*out)[0] = stat;
@@ -420,12 +441,12 @@ bool exchange_infer_type(const nnvm::NodeAttrs& attrs, std::vector<int>* in,
 }
 
 std::vector<std::string> exchange_input_names(const nnvm::NodeAttrs&) {
-  return {"packed", "m1", "gamma", "beta", "running_mean", "running_var"};
+  return {"packed", "data", "gamma", "beta", "running_mean", "running_var"};
 }
 
 std::vector<uint32_t> exchange_mutated(const nnvm::NodeAttrs&) { return {4, 5}; }
 
-// d packed from the backward node; m1, gamma and beta were read for their
+// d packed from the backward node; data, gamma and beta were read for their
 // shapes only (their gradients flow through the packed input), the running
 // statistics get none.
 std::vector<nnvm::NodeEntry> exchange_gradient(const nnvm::ObjectPtr& node,
@@ -453,7 +474,7 @@ void register_exchange_op() {
   auto* registry = dmlc::Registry<nnvm::Op>::Get();
   nnvm::Op* fwd = &registry->__REGISTER_OR_GET__(EXCHANGE_OP);
   fwd->set_num_inputs(6).set_num_outputs(1);
-  for (const char* name : {"packed", "m1", "gamma", "beta", "running_mean", "running_var"})
+  for (const char* name : {"packed", "data", "gamma", "beta", "running_mean", "running_var"})
     fwd->add_argument(name, "NDArray-or-Symbol", name);
   set_attr<nnvm::FListInputNames>(fwd, "FListInputNames", OLD_ABI(exchange_input_names));
   set_attr<nnvm::FMutateInputs>(fwd, "FMutateInputs", OLD_ABI(exchange_mutated));

@@ -105,34 +105,14 @@ void write_gradients(const Params& p, const Layout& l, const Array& dy, const Ar
 
 // ------------------------------------------------- per-channel vectors --
 // The exchange operator's: the block hands over, per channel, m1 (the
-// centre), and row statistics of x - m1 and (x - m1)^2.
+// centre: a float32 estimate of the mean), m2 (mean of x - m1) and v (mean of
+// (x - m1)^2), computed on the device.
 
-// The local mean of each row statistic (rows, C): the block hands over one
-// value per (sample, channel) row, sums (row_sums) or means of equal rows.
-std::vector<double> local_mean(const std::vector<double>& rows, size_t C, double count,
-                               bool row_sums) {
-  std::vector<double> out(C, 0.0);
-  const size_t n_rows = rows.size() / C;
-  for (size_t r = 0; r < n_rows; ++r)
-    for (size_t c = 0; c < C; ++c) out[c] += rows[r * C + c];
-  for (auto& v : out) v /= row_sums ? count : static_cast<double>(n_rows);
-  return out;
-}
-
-double sample_count(const std::vector<double>& shape, size_t C) {
-  double size = 1;
-  for (double d : shape) size *= d;
-  return size / static_cast<double>(C);
-}
-
-// This device's mean and variance from the block's moments: m1 (the centre),
-// m2 (mean of x - m1) and v (mean of (x - m1)^2), row statistics (rows, C).
-void device_moments(const Params& p, const std::vector<double>& m1,
-                    const std::vector<double>& m2_rows, const std::vector<double>& v_rows,
-                    double count, std::vector<double>* mean, std::vector<double>* var) {
+// This device's mean and variance from the block's moments m1, m2 and v.
+void device_moments(const std::vector<double>& m1, const std::vector<double>& m2,
+                    const std::vector<double>& v, std::vector<double>* mean,
+                    std::vector<double>* var) {
   const size_t C = m1.size();
-  std::vector<double> m2 = local_mean(m2_rows, C, count, p.row_sums),
-                      v = local_mean(v_rows, C, count, p.row_sums);
   mean->assign(C, 0.0);
   var->assign(C, 0.0);
   for (size_t c = 0; c < C; ++c) {

@@ -20,7 +20,7 @@ namespace {
 struct Params {
   std::string group_id, dtype_name = "float32";
   double eps = 1e-5, momentum = 0.9;
-  bool fix_gamma = false, static_shape = false, row_sums = false;
+  bool fix_gamma = false, static_shape = false;
   int axis = 1;
 };
 
@@ -34,7 +34,6 @@ Params parse_params(int num, const char** keys, const char** values) {
     else if (key == "momentum") p.momentum = std::stod(value);
     else if (key == "fix_gamma") p.fix_gamma = yes;
     else if (key == "static_shape") p.static_shape = yes;
-    else if (key == "row_sums") p.row_sums = yes;
     else if (key == "axis") p.axis = std::stoi(value);
     else if (key == "input_dtype") p.dtype_name = value;
   }
