@@ -42,6 +42,7 @@ import report  # noqa: E402
 LAYERS = 53
 VARIANTS = ('plain', 'contrib', 'ours')
 DEFAULT_N = [2, 4, 8]
+MODES = ['hybridized', 'imperative']
 # --operator -> the operator it selects on CPU contexts (the result file's name)
 BACKEND = {'native': 'async', 'python': 'python', 'native-device': 'exchange',
            'python-device': 'python-device'}
@@ -157,8 +158,7 @@ def main():
     parser.add_argument('--operator', default='native', choices=sorted(BACKEND),
                         help="gluon_syncbn's operator (GLUON_SYNCBN_OPERATOR), '-device' "
                              "for the GPU path (GLUON_SYNCBN_DEVICE_PATH=1)")
-    parser.add_argument('--modes', nargs='*', default=['hybridized', 'imperative'],
-                        choices=['hybridized', 'imperative'])
+    parser.add_argument('--modes', nargs='*', default=MODES, choices=MODES)
     parser.add_argument('--repeat', type=int, default=1,
                         help='processes per (N, mode): a row each, for the spread between them')
     parser.add_argument('--temp-slots', type=int, default=None,
@@ -169,7 +169,7 @@ def main():
     name = 'overhead-' + BACKEND[args.operator]
     if args.n != DEFAULT_N:
         name += '-n' + '-'.join(map(str, args.n))
-    if args.modes != ['hybridized', 'imperative']:
+    if args.modes != MODES:
         name += '-' + '-'.join(args.modes)
     if args.repeat > 1:
         name += '-x%d' % args.repeat

@@ -119,7 +119,6 @@ class VectorGraph(object):
 
     def __call__(self, F, x, gamma, beta, running_mean, running_var, imperative):
         """The layer's output for ``x``, normalized with the statistics of every device."""
-        axis = self.kwargs['axis']
         if not imperative and self.static_shape and self.exchange is not None:
             try:
                 self.group.register_running_arrays()
@@ -150,13 +149,13 @@ class VectorGraph(object):
         return F.reshape_like(out, xs) if self.exchange is not None else out
 
     def _exchange_graph(self, F, xs, gamma, beta, running_mean, running_var):
-        """The exchange operator's graph: 12 operators, each a kernel on a GPU.
+        """The exchange operator's graph: 12 operators (13 with the caller's
+        reshape_like), each a kernel on a GPU.
 
-        The centre m1 is the mean MXNet computes, blocked for autograd at its
-        input (the output does not depend on it; blocked at its output, the
-        mean's backward would still run). Its float32 rounding is what m2
-        corrects: at |mean| >> std it is worth many standard deviations' worth
-        of the data's precision, which m1 + m2 keeps.
+        The centre m1 is the mean MXNet computes, a constant to autograd (the
+        output does not depend on it), blocked at its input: blocked at its
+        output, the mean's backward would still run. m2 corrects m1's float32
+        rounding, which at |mean| >> std is large against the std.
         """
         axis = self.kwargs['axis']
         m1 = F.mean(F.BlockGrad(xs), axis=axis, exclude=True, keepdims=True)

@@ -267,13 +267,12 @@ void async_backward(const mxnet::OpStatePtr& state_ptr, const mxnet::OpContext& 
 
 // ------------------------------------------------------------ registration --
 
-// The channel count of the layer's input `data` (checked: 2 to 5 dimensions,
-// the axis in range), with the per-channel inputs in[first .. first + 3]
-// (gamma, beta, running_mean, running_var) set to (C,); -1 while data's
-// dimensions are unknown.
+// The channel count of the layer's input `data`, whose dimensions are known
+// (checked: 2 to 5 of them, the axis in range; -1 while the channel's size is
+// unknown), with the per-channel inputs in[first .. first + 3] (gamma, beta,
+// running_mean, running_var) set to (C,).
 int64_t infer_channels(const Params& p, const mxnet::TShape& data, mxnet::ShapeVector* in,
                        int first, int* axis_out) {
-  if (!mxnet::ndim_is_known(data)) return -1;
   const int ndim = data.ndim();
   std::string name = layer_name(p);
   CHECK(ndim >= 2 && ndim <= 5) << "SyncBatchNorm '" << name << "' expects input of 2 to 5 "
@@ -299,8 +298,9 @@ int64_t infer_channels(const Params& p, const mxnet::TShape& data, mxnet::ShapeV
 bool async_infer_shape(const nnvm::NodeAttrs& attrs, mxnet::ShapeVector* in,
                        mxnet::ShapeVector* out) {
   const mxnet::TShape& data = (*in)[0];
+  if (!mxnet::ndim_is_known(data)) return false;
   int axis = 0;
-  if (infer_channels(node_params(attrs), data, in, 1, &axis) < 0) return false;
+  infer_channels(node_params(attrs), data, in, 1, &axis);
   (*out)[0] = data;
   return mxnet::shape_is_known(data);
 }

@@ -31,6 +31,9 @@
 // state for the backward call: one packed copy each way per call, forward
 // and backward.
 #pragma once
+#include <cstdio>
+#include <iterator>
+
 #include "mxnet_abi.h"
 #include "async_op.h"
 #include "maths.h"
@@ -415,6 +418,7 @@ void exchange_op_backward(const mxnet::OpStatePtr& state_ptr, const mxnet::OpCon
 bool exchange_infer_shape(const nnvm::NodeAttrs& attrs, mxnet::ShapeVector* in,
                           mxnet::ShapeVector* out) {
   const mxnet::TShape& data = (*in)[1];
+  if (!mxnet::ndim_is_known(data)) return false;
   int axis = 0;
   const int64_t channels = infer_channels(node_params(attrs), data, in, 2, &axis);
   if (channels < 0) return false;
@@ -440,8 +444,11 @@ bool exchange_infer_type(const nnvm::NodeAttrs& attrs, std::vector<int>* in,
   return true;
 }
 
+const char* const EXCHANGE_INPUTS[] = {"packed", "data", "gamma", "beta", "running_mean",
+                                       "running_var"};
+
 std::vector<std::string> exchange_input_names(const nnvm::NodeAttrs&) {
-  return {"packed", "data", "gamma", "beta", "running_mean", "running_var"};
+  return {std::begin(EXCHANGE_INPUTS), std::end(EXCHANGE_INPUTS)};
 }
 
 std::vector<uint32_t> exchange_mutated(const nnvm::NodeAttrs&) { return {4, 5}; }
@@ -474,7 +481,7 @@ void register_exchange_op() {
   auto* registry = dmlc::Registry<nnvm::Op>::Get();
   nnvm::Op* fwd = &registry->__REGISTER_OR_GET__(EXCHANGE_OP);
   fwd->set_num_inputs(6).set_num_outputs(1);
-  for (const char* name : {"packed", "data", "gamma", "beta", "running_mean", "running_var"})
+  for (const char* name : EXCHANGE_INPUTS)
     fwd->add_argument(name, "NDArray-or-Symbol", name);
   set_attr<nnvm::FListInputNames>(fwd, "FListInputNames", OLD_ABI(exchange_input_names));
   set_attr<nnvm::FMutateInputs>(fwd, "FMutateInputs", OLD_ABI(exchange_mutated));
