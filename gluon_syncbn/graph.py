@@ -10,6 +10,7 @@ call (``block.SyncBatchNorm._forward``).
 from mxnet.gluon.parameter import DeferredInitializationError
 
 from . import native
+from . import registry
 from . import op as _op
 from .hooks import CENTER_OP, request_retrace
 from .mxnet_private import amp_initialized, dtype_name, operator_dtype
@@ -124,9 +125,52 @@ class VectorGraph(object):
                 self.group.register_running_arrays()
             except DeferredInitializationError:
                 request_retrace()  # shapes are known after the first call
-        dtype = self.dtype
         if imperative and x.size == 0:
             return self._empty_slice(F, x, gamma, beta, running_mean, running_var)
+        if imperative and self.exchange is not None:
+            return self._cached_op()(x, gamma, beta, running_mean, running_var)
+        return self._graph(F, x, gamma, beta, running_mean, running_var, imperative)
+
+    def _cached_op(self):
+        """The graph of an imperative call as one CachedOp, traced once per
+        input dtype: one call into MXNet instead of one per operator, and
+        static memory instead of a new array per operator output, each of
+        whose engine variables costs an engine operation to delete. MXNet
+        gives each call that autograd still holds for backward its own
+        memory. Not static_shape: that would also pin each operator's
+        temp-space slot, and CPU contexts share one pool of them, so an
+        imperative operator of one device would in time take a slot pinned by
+        another device's later layer and wait for it (a deadlock).
+
+        Traced anew after an aborted step: a failed call leaves its error on
+        the static arrays it writes, and MXNet would skip every later
+        operator touching them.
+
+        Returns a function of (x, gamma, beta, running_mean, running_var).
+        """
+        from mxnet import ndarray, symbol
+        graphs = self.group.imperative_graphs
+        key = (registry.SESSION.token(), self.dtype, self.param_dtype, amp_initialized())
+        cached = graphs.get(key)
+        if cached is None:
+            for stale in [k for k in graphs if k[0] != key[0]]:
+                del graphs[stale]
+            names = ('data', 'gamma', 'beta', 'running_mean', 'running_var')
+            # Traced as imperative: the input's dtype is known.
+            out = self._graph(symbol, *[symbol.var(n) for n in names], imperative=True)
+            order = [names.index(n) for n in out.list_inputs()]
+            op = ndarray.CachedOp(out, flags=[('static_alloc', True)])
+            cached = graphs[key] = (op, order)
+        op, order = cached
+
+        def call(*arrays):
+            return op(*[arrays[i] for i in order])
+        return call
+
+    def _graph(self, F, x, gamma, beta, running_mean, running_var, imperative):
+        """The operators of a call; ``imperative``: ``x`` has dtype ``self.dtype``
+        (an NDArray, or traced for an imperative call's CachedOp)."""
+        dtype = self.dtype
         half = dtype in LOW_PRECISION
         # Statistics in at least float32: float16 input is widened, then narrowed back.
         xs = F.Cast(x, dtype='float32') if half else x

@@ -261,6 +261,8 @@ class SyncGroup(object):
             self.host_memory, self.transport.cross_process)
         SESSION.prepare_engine()
         self._running_arrays = []
+        # The exchange graph of imperative calls, as CachedOps (graph.VectorGraph).
+        self.imperative_graphs = {}
         if self.operator != 'python':
             subgroups = (ctypes.c_int * len(self.devices))(*self.subgroup_of)
             SESSION._native.gsbn_group_create(

@@ -52,9 +52,10 @@ struct Finish { std::function<void()> fn; };
 void run_finish(void*, void* param) { static_cast<Finish*>(param)->fn(); }
 void delete_finish(void* param) { delete static_cast<Finish*>(param); }
 
-void finish_on(int dev_id, std::thread::id issuer, int64_t elements,
-               std::function<void()> finish) {
-  if (std::this_thread::get_id() == issuer || elements <= kFinishHereElements) return finish();
+// `finish` on the worker of CPU context `dev_id`, or here and now if this
+// thread is the one `issuer` names.
+void run_on_worker(int dev_id, std::thread::id issuer, std::function<void()> finish) {
+  if (std::this_thread::get_id() == issuer) return finish();
   int ctx[2] = {1, dev_id};  // mxnet::Context{kCPU, dev_id}
   auto* f = new Finish{std::move(finish)};
   if (MXEnginePushSyncND(run_finish, f, delete_finish, ctx, nullptr, 0, nullptr, 0, nullptr, 0,
@@ -62,6 +63,12 @@ void finish_on(int dev_id, std::thread::id issuer, int64_t elements,
     run_finish(nullptr, f);  // the engine refused: finish here rather than never
     delete_finish(f);
   }
+}
+
+void finish_on(int dev_id, std::thread::id issuer, int64_t elements,
+               std::function<void()> finish) {
+  if (elements <= kFinishHereElements) return finish();
+  run_on_worker(dev_id, issuer, std::move(finish));
 }
 
 Array array_of(const mxnet::NDArray& a) {

@@ -30,9 +30,17 @@
 // needs no copy; the forward's statistics, m1, gamma and count stay in the
 // state for the backward call: one packed copy each way per call, forward
 // and backward.
+//
+// The views and the host staging stay from call to call of the layer on the
+// device (see Staging): a new engine variable costs an engine operation to delete, and
+// these were most of a call's operations.
 #pragma once
 #include <cstdio>
 #include <iterator>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <thread>
 
 #include "mxnet_abi.h"
 #include "async_op.h"
@@ -43,13 +51,6 @@ namespace {
 const char* EXCHANGE_OP = "_gluon_syncbn_exchange";
 const char* EXCHANGE_BACKWARD_OP = "_backward_gluon_syncbn_exchange";
 
-struct ExchangeState {
-  Op op;                 // params, group, device, issue token
-  int dev_id = 0;
-  Info stats;            // the forward's global statistics and call number
-  std::vector<double> m1, gamma;
-  double count = 0;
-};
 
 // Turns off the engine's bulking on this thread for its scope. A thread
 // inside a bulked segment (the main thread running a graph, where this
@@ -84,6 +85,60 @@ mxnet::NDArray staging(const mxnet::NDArray& like, int64_t size, int dtype) {
                                           : like.ctx();
   return mxnet::NDArray(mxnet::TShape(1, size), ctx, false, dtype);
 }
+
+// A device array's fresh-variable view and its host staging, kept from call
+// to call of one layer on one device. Reusing them is safe because MXNet
+// orders every call of the layer on the device (forward and backward, every
+// graph node) after the completion of the one before (their states' engine
+// variable is the layer's, see exchange_create_state), and a call completes
+// only after every operation it queued on them: the copies to and from the
+// views and the engine operations reading the staging.
+struct Staging {
+  mxnet::NDArray view, host;
+
+  // The view of `a`, made anew only when `a`'s memory changed (imperative
+  // calls, the first call of a graph).
+  const mxnet::NDArray& view_of(const mxnet::NDArray& a) {
+    if (view.is_none() || view.data().dptr_ != a.data().dptr_ ||
+        view.shape().Size() != a.shape().Size() || view.dtype() != a.dtype())
+      view = fresh_view(a);
+    return view;
+  }
+
+  // The view of `a` and staging of `size` elements of `dtype`.
+  void of(const mxnet::NDArray& a, int64_t size, int dtype) {
+    view_of(a);
+    if (host.is_none() || static_cast<int64_t>(host.shape().Size()) != size ||
+        host.dtype() != dtype)
+      host = staging(a, size, dtype);
+  }
+};
+
+// forward: packed in, (predict mode) running mean and variance in, output
+// out; backward: d output in, d packed out
+struct LayerStaging {
+  Staging packed, running_mean, running_var, out, d_out, d_packed;
+};
+
+// The staging of a layer on a device, for as long as the process lives (like
+// the layer's engine variable).
+std::shared_ptr<LayerStaging> layer_staging(const std::string& group_id, int device) {
+  static std::mutex& mutex = *new std::mutex();
+  static auto& all = *new std::map<std::pair<std::string, int>, std::shared_ptr<LayerStaging>>();
+  std::lock_guard<std::mutex> lock(mutex);
+  auto& staging = all[std::make_pair(group_id, device)];
+  if (!staging) staging = std::make_shared<LayerStaging>();
+  return staging;
+}
+
+struct ExchangeState {
+  Op op;                 // params, group, device, issue token
+  int dev_id = 0;
+  Info stats;            // the forward's global statistics and call number
+  std::vector<double> m1, gamma;
+  double count = 0;
+  std::shared_ptr<LayerStaging> staging;
+};
 
 Array host_array(const mxnet::NDArray& a) {
   Array out;
@@ -204,6 +259,7 @@ mxnet::OpStatePtr exchange_create_state(const nnvm::NodeAttrs& attrs, mxnet::Con
   auto* state = new ExchangeState();
   state->dev_id = ctx.dev_id;
   state->op = node_op(attrs, ctx);
+  state->staging = layer_staging(state->op.params.group_id, state->op.device);
   return make_state(state, layer_variable(state->op.params.group_id, state->op.device));
 }
 
@@ -235,17 +291,23 @@ void exchange_op_forward(const mxnet::OpStatePtr& state_ptr, const mxnet::OpCont
   if (train && !number_call(*gp, op.device, p.static_shape, op.token, &token, &call, &error))
     return complete(on_complete, error);
   // Device to host: the packed vector (and in predict mode the running statistics).
+  LayerStaging& staged = *state.staging;
+  std::vector<Staging*> down = {&staged.packed};
   std::vector<mxnet::NDArray> sources = {packed};
-  if (!train) sources.insert(sources.end(), {plain(in[4]), plain(in[5])});
-  std::vector<mxnet::NDArray> views, hosts;
-  for (const auto& a : sources) {
-    views.push_back(fresh_view(a));
-    hosts.push_back(staging(a, static_cast<int64_t>(a.shape().Size()), a.dtype()));
-    if (!copy_to(views.back(), hosts.back(), &error))
+  if (!train) {
+    down.insert(down.end(), {&staged.running_mean, &staged.running_var});
+    sources.insert(sources.end(), {plain(in[4]), plain(in[5])});
+  }
+  std::vector<mxnet::NDArray> hosts;
+  for (size_t i = 0; i < sources.size(); ++i) {
+    const mxnet::NDArray& a = sources[i];
+    down[i]->of(a, static_cast<int64_t>(a.shape().Size()), a.dtype());
+    hosts.push_back(down[i]->host);
+    if (!copy_to(down[i]->view, hosts.back(), &error))
       return fail_call(on_complete, *gp, error);
   }
-  const mxnet::NDArray out_view = fresh_view(out[0]);
-  const mxnet::NDArray out_host = staging(out[0], 2 * C, out[0].dtype());
+  staged.out.of(out[0], 2 * C, out[0].dtype());
+  const mxnet::NDArray out_view = staged.out.view, out_host = staged.out.host;
   // The running statistics' arrays: the Parameter's own in static_shape
   // graphs, whose auxiliary states are read-only (queued behind every earlier
   // operation on them); else this call's mutable inputs, through views
@@ -257,7 +319,8 @@ void exchange_op_forward(const mxnet::OpStatePtr& state_ptr, const mxnet::OpCont
       for (NDArrayHandle h : gp->running[op.device])
         running.push_back(*static_cast<mxnet::NDArray*>(h));
     } else {
-      running = {fresh_view(plain(in[4])), fresh_view(plain(in[5]))};
+      running = {staged.running_mean.view_of(plain(in[4])),
+                 staged.running_var.view_of(plain(in[5]))};
     }
   }
   const int dev_id = state.dev_id;
@@ -313,6 +376,7 @@ void exchange_op_forward(const mxnet::OpStatePtr& state_ptr, const mxnet::OpCont
       }
       std::vector<double> mean, var;
       device_moments(m1, m2, v, &mean, &var);
+      const std::thread::id issuer = std::this_thread::get_id();
       exchange_async(*gp, Key(0, token, call), op.device, pack_forward(count, mean, var),
                      p.dtype_name,
                      [=](const std::string& error, const std::vector<double>& total) {
@@ -322,14 +386,14 @@ void exchange_op_forward(const mxnet::OpStatePtr& state_ptr, const mxnet::OpCont
         stats.token = static_cast<double>(token);
         stats.call = static_cast<double>(call);
         s->stats = stats;
-        finish(m1, gamma, beta, stats);
+        // Each device issues its own copies and updates, in parallel with the others.
+        run_on_worker(dev_id, issuer, [=]() { finish(m1, gamma, beta, stats); });
       });
     } catch (const std::exception& e) {
       fail_call(on_complete, *gp, e.what());
     }
   };
-  std::vector<mxnet::NDArray> after = hosts;
-  if (!run_after(after, dev_id, [=]() { (void)views; exchange_step(); },
+  if (!run_after(hosts, dev_id, exchange_step,
                  "gluon_syncbn_exchange", &error))
     fail_call(on_complete, *gp, error);
 }
@@ -363,11 +427,12 @@ void exchange_op_backward(const mxnet::OpStatePtr& state_ptr, const mxnet::OpCon
   const int64_t C = static_cast<int64_t>(m1.size());
   const mxnet::NDArray dy = plain(in[0]);
   const int64_t P = static_cast<int64_t>(out[0].shape().Size());
-  const mxnet::NDArray dy_view = fresh_view(dy);
-  const mxnet::NDArray dy_host = staging(dy, 2 * C, dy.dtype());
-  if (!copy_to(dy_view, dy_host, &error)) return fail_call(on_complete, *gp, error);
-  const mxnet::NDArray gin_view = fresh_view(out[0]);
-  const mxnet::NDArray gin_host = staging(out[0], P, out[0].dtype());
+  LayerStaging& staged = *state.staging;
+  staged.d_out.of(dy, 2 * C, dy.dtype());
+  const mxnet::NDArray dy_host = staged.d_out.host;
+  if (!copy_to(staged.d_out.view, dy_host, &error)) return fail_call(on_complete, *gp, error);
+  staged.d_packed.of(out[0], P, out[0].dtype());
+  const mxnet::NDArray gin_view = staged.d_packed.view, gin_host = staged.d_packed.host;
   const int dev_id = state.dev_id;
   const bool write = req[0] != kNull;
   std::vector<mxnet::NDArray> keep = {in[0], dy, out[0], gin_host};
@@ -408,7 +473,7 @@ void exchange_op_backward(const mxnet::OpStatePtr& state_ptr, const mxnet::OpCon
       fail_call(on_complete, *gp, e.what());
     }
   };
-  if (!run_after({dy_host}, dev_id, [=]() { (void)dy_view; step(); },
+  if (!run_after({dy_host}, dev_id, step,
                  "gluon_syncbn_exchange_backward", &error))
     fail_call(on_complete, *gp, error);
 }
