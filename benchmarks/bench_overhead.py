@@ -17,6 +17,7 @@ alone beside plain in a fresh process, so the others still get their numbers.
     python benchmarks/bench_overhead.py --n 2 --operator native-device  # -> results/overhead-exchange-n2
     python benchmarks/bench_overhead.py --n 2 --steps 2 --warmup 1 --out /tmp/smoke  # smoke
     python benchmarks/bench_overhead.py --modes hybridized --repeat 3   # the spread, 3 processes each
+    python benchmarks/bench_overhead.py --operator native-device --count-ops  # + engine operations
 
 ``--operator`` picks gluon_syncbn's operator (the result file is named by the
 one it selects; the header says which ran): ``native`` is the asynchronous
@@ -97,7 +98,25 @@ def worker(cfg):
     res = {kind: sorted(ts)[len(ts) // 2] for kind, ts in times.items()}
     if 'ours' in nets:
         res['operator'] = report.operator_of(nets['ours'])
+    if cfg.get('count_ops'):
+        res['ops'] = {kind: engine_operations(step) / (LAYERS * n)
+                      for kind, step in steps.items()}
     return res
+
+
+def engine_operations(step, steps=3):
+    """Engine operations per step of ``step``, counted by MXNet's profiler:
+    each operator pushed alone, each bulked segment, each engine variable
+    deleted, each operation our operators push."""
+    import json
+    from mxnet import profiler
+    profiler.set_config(profile_all=True, aggregate_stats=True, filename=os.devnull)
+    profiler.set_state('run')
+    for _ in range(steps):
+        step()
+    profiler.set_state('stop')
+    stats = json.loads(profiler.dumps(reset=True, format='json'))
+    return sum(s['Count'] for s in stats['Time'].get('operator', {}).values()) / steps
 
 
 # ----------------------------------------------------------------- driver side
@@ -105,7 +124,7 @@ def measure(n, hybridize, args):
     """Median step times for every variant of one (N, mode), or why there are none."""
     cfg = dict(n=n, hybridize=hybridize, steps=args.steps, warmup=args.warmup,
                sync_timeout=args.sync_timeout, variants=list(VARIANTS),
-               temp_slots=args.temp_slots)
+               temp_slots=args.temp_slots, count_ops=args.count_ops)
     operator, _, path = args.operator.partition('-')
     env = dict(os.environ, GLUON_SYNCBN_OPERATOR=operator,
                GLUON_SYNCBN_DEVICE_PATH='1' if path == 'device' else '0')
@@ -142,6 +161,10 @@ def row(n, hybridize, res):
     ours, contrib = res.get('ours'), res.get('contrib')
     versus = ('%.2fx' % (ours / contrib) if isinstance(ours, float) and
               isinstance(contrib, float) else '-')
+    ops = res.get('ops')
+    if ops:  # engine operations per BN call per device, beyond plain's
+        cells = ['%s, +%.1f ops' % (cell, ops[kind] - ops['plain']) if kind in ops else cell
+                 for cell, kind in zip(cells, ('contrib', 'ours'))]
     return '| %d | %s | %s | %s | %s | %s |' % (
         n, mode, '%.1f ms' % (1e3 * plain) if isinstance(plain, float) else '-',
         cells[0], cells[1], versus)
@@ -161,6 +184,9 @@ def main():
     parser.add_argument('--modes', nargs='*', default=MODES, choices=MODES)
     parser.add_argument('--repeat', type=int, default=1,
                         help='processes per (N, mode): a row each, for the spread between them')
+    parser.add_argument('--count-ops', action='store_true',
+                        help='also count engine operations per BN call per device with '
+                             "MXNet's profiler (3 more steps per variant, after the timing)")
     parser.add_argument('--temp-slots', type=int, default=None,
                         help='configure_cpu_contexts(N, temp_slots=...): the default '
                              '(1024 at N = 8) is too few for three such nets in one process')
@@ -177,9 +203,12 @@ def main():
     lines = ['CPU contexts, every process under `configure_cpu_contexts(N%s)`. %d x (conv 1x1 + '
              'BN + relu) on (2, 16, 2, 2) per device, forward + backward + waitall, medians of '
              '%d interleaved steps after %d warm-up steps; in brackets: ratio to plain '
-             'nn.BatchNorm in the same process, and milliseconds added per BN call per device.'
+             'nn.BatchNorm in the same process, and milliseconds added per BN call per device%s.'
              % (', temp_slots=%d' % args.temp_slots if args.temp_slots else '', LAYERS,
-                args.steps, args.warmup),
+                args.steps, args.warmup,
+                ' and engine operations added per BN call per device (MXNet\'s profiler: '
+                'operators pushed alone, bulked segments, engine variables deleted)'
+                if args.count_ops else ''),
              '',
              '| N | mode | nn.BatchNorm | contrib SyncBatchNorm | gluon_syncbn | ours / contrib |',
              '|---|---|---|---|---|---|']
