@@ -10,7 +10,6 @@ call (``block.SyncBatchNorm._forward``).
 from mxnet.gluon.parameter import DeferredInitializationError
 
 from . import native
-from . import registry
 from . import op as _op
 from .hooks import CENTER_OP, request_retrace
 from .mxnet_private import amp_initialized, dtype_name, operator_dtype
@@ -128,7 +127,9 @@ class VectorGraph(object):
         if imperative and x.size == 0:
             return self._empty_slice(F, x, gamma, beta, running_mean, running_var)
         if imperative and self.exchange is not None:
-            return self._cached_op()(x, gamma, beta, running_mean, running_var)
+            op, order = self._cached_op()
+            arrays = (x, gamma, beta, running_mean, running_var)
+            return op(*[arrays[i] for i in order])
         return self._graph(F, x, gamma, beta, running_mean, running_var, imperative)
 
     def _cached_op(self):
@@ -142,30 +143,23 @@ class VectorGraph(object):
         imperative operator of one device would in time take a slot pinned by
         another device's later layer and wait for it (a deadlock).
 
-        Traced anew after an aborted step: a failed call leaves its error on
-        the static arrays it writes, and MXNet would skip every later
-        operator touching them.
+        After an aborted step its static arrays carry no error: see
+        ``registry.Session.clear_failed_arrays``.
 
-        Returns a function of (x, gamma, beta, running_mean, running_var).
+        Returns ``(op, order)``: ``op`` takes (x, gamma, beta, running_mean,
+        running_var) permuted by ``order``, the order of its inputs.
         """
         from mxnet import ndarray, symbol
-        graphs = self.group.imperative_graphs
-        key = (registry.SESSION.token(), self.dtype, self.param_dtype, amp_initialized())
-        cached = graphs.get(key)
+        key = (self.dtype, self.param_dtype, amp_initialized())
+        cached = self.group.imperative_graphs.get(key)
         if cached is None:
-            for stale in [k for k in graphs if k[0] != key[0]]:
-                del graphs[stale]
             names = ('data', 'gamma', 'beta', 'running_mean', 'running_var')
             # Traced as imperative: the input's dtype is known.
             out = self._graph(symbol, *[symbol.var(n) for n in names], imperative=True)
             order = [names.index(n) for n in out.list_inputs()]
             op = ndarray.CachedOp(out, flags=[('static_alloc', True)])
-            cached = graphs[key] = (op, order)
-        op, order = cached
-
-        def call(*arrays):
-            return op(*[arrays[i] for i in order])
-        return call
+            cached = self.group.imperative_graphs[key] = (op, order)
+        return cached
 
     def _graph(self, F, x, gamma, beta, running_mean, running_var, imperative):
         """The operators of a call; ``imperative``: ``x`` has dtype ``self.dtype``

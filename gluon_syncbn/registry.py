@@ -164,7 +164,10 @@ class Session(object):
         A failed call leaves its exception on the arrays it writes (running
         statistics, gamma/beta gradients), and every later operator touching
         them would be skipped with the same error. Waiting on an array clears
-        its error. Called on the main thread before a network's calls are
+        its error, and with it that of every array the same failed operator
+        poisoned: MXNet shares one error object among them
+        (``threaded_engine.cc``, ``OnComplete``, ``ThrowException``), so the
+        static arrays of cached graphs are clean too. Called on the main thread before a network's calls are
         issued (by the block, and for cached graphs by hooks); the aborted calls
         finish at once, so the wait is short.
         """

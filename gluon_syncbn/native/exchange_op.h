@@ -13,18 +13,20 @@
 // engine copies (CopyFromTo) from a fresh-variable view of the packed input to
 // host staging (pinned memory for a GPU), then an engine operation that reads
 // the staging array, so it runs once the copy has completed; that operation
-// hands the host vector to exchange_async (session.h). The continuation (the
-// thread of the last device to arrive) computes scale and shift (maths.h's
-// per-channel part), writes them to host staging, CopyFromTo's them into a fresh-variable
-// view of the output, queues the running statistics' read-modify-write with
-// MXNet's operators, and a last engine operation reading the output's view
-// (and the running statistics' views) completes the call. Every failure
-// completes it at once with the error, exactly once.
+// hands the host vector to exchange_async (session.h). Each device's
+// continuation, on its own cpu(dev_id) worker, computes scale and shift
+// (maths.h's per-channel part), writes them to host staging, CopyFromTo's
+// them into a fresh-variable view of the output, queues the running
+// statistics' read-modify-write with MXNet's operators, and a last engine
+// operation reading the output's view (and the running statistics' views)
+// completes the call. Every failure completes it at once with the error,
+// exactly once.
 //
 // Why fresh-variable views: the engine holds this operator's own variables
 // (its output's, its inputs') until it completes, so a copy declared on them
 // would wait for the operator while the operator waits for the copy. The
-// views' memory is the operator's, alive until it completes.
+// views' memory is the operator's, alive until it completes, and a view is
+// used only while its call runs.
 //
 // The sample count and the output's shape come from data's shape, which
 // needs no copy; the forward's statistics, m1, gamma and count stay in the
@@ -32,8 +34,8 @@
 // and backward.
 //
 // The views and the host staging stay from call to call of the layer on the
-// device (see Staging): a new engine variable costs an engine operation to delete, and
-// these were most of a call's operations.
+// device (see Staging): each new engine variable would cost an engine
+// operation to delete.
 #pragma once
 #include <cstdio>
 #include <iterator>
