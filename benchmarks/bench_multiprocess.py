@@ -97,9 +97,9 @@ def worker(cfg):
           flush=True)
 
 
-def run_config(cfg, timeout):
+def run_config(cfg, timeout, env=None):
     """Run one configuration (a job, or one process); return rank 0's timings."""
-    env = dict(os.environ, PYTHONPATH=ROOT, BENCH_MP_CFG=json.dumps(cfg))
+    env = dict(os.environ, PYTHONPATH=ROOT, BENCH_MP_CFG=json.dumps(cfg), **(env or {}))
     if cfg['backend'] == 'local':
         argv = [sys.executable, __file__, '--worker']
     else:
@@ -124,17 +124,22 @@ def main():
     if args.worker:
         return worker(json.loads(os.environ['BENCH_MP_CFG']))
     run = report.Run('multiprocess', args.out, smoke=args.steps < MIN_STEPS)
-    setups = [('local', 2, 'one process, 2 CPU contexts'),
-              ('dist_sync', 1, "2 workers x 1 context, kvstore 'dist_sync'"),
-              ('horovod', 1, '2 workers x 1 context, Horovod (Gloo)')]
+    python = {'GLUON_SYNCBN_OPERATOR': 'python'}
+    setups = [('local', 2, 'one process, 2 CPU contexts', {}),
+              ('dist_sync', 1, "2 workers x 1 context, kvstore 'dist_sync'", {}),
+              ('dist_sync', 1, "2 workers x 1 context, kvstore 'dist_sync', Python operator",
+               python),
+              ('horovod', 1, '2 workers x 1 context, Horovod (Gloo)', {}),
+              ('horovod', 1, '2 workers x 1 context, Horovod (Gloo), HOROVOD_CYCLE_TIME=0.1',
+               {'HOROVOD_CYCLE_TIME': '0.1'})]
     rows, raw, skipped, ran = [], [], [], set()
     for workload, steps in (('call', args.steps * 3), ('step', args.steps)):
         for hybridize in (False, True):
-            for backend, devices, label in setups:
+            for backend, devices, label, env in setups:
                 cfg = dict(backend=backend, devices=devices, workload=workload,
                            hybridize=hybridize, warmup=10, steps=steps)
                 try:
-                    result = run_config(cfg, timeout=900)
+                    result = run_config(cfg, timeout=900, env=env)
                 except Exception as exc:  # pylint: disable=broad-except
                     print('skipped %s: %s' % (label, str(exc)[-300:]), file=sys.stderr)
                     skipped.append('%s, %s, %s: %s' % (workload, 'hybridized' if hybridize
@@ -146,7 +151,7 @@ def main():
                 plain, sync = median(times['plain']) * 1e3, median(times['sync']) * 1e3
                 rows.append((workload, 'hybridized' if hybridize else 'imperative', label,
                              plain, sync, sync / plain))
-                raw.append(dict(cfg, operator=result.get('operator'), times=times))
+                raw.append(dict(cfg, operator=result.get('operator'), env=env, times=times))
                 print('%-4s %-10s %-45s plain %7.2f ms  sync %7.2f ms  %.2fx' % rows[-1],
                       flush=True)
     lines = ['Medians of %d steps (x3 for `call`) after 10 warm-up steps; nn.BatchNorm and '

@@ -146,7 +146,7 @@ class Session(object):
                 self._token += 1
                 self._cause = cause
             else:  # the token lives there (see attach_native)
-                self._native.gsbn_abort(str(cause).encode('utf-8', 'replace'))
+                self._native.gsbn_abort(str(cause).encode('utf-8', 'replace'), int(exiting))
             listeners = [] if exiting else list(self._abort_listeners)
         for listener in listeners:
             listener(cause)
@@ -252,16 +252,17 @@ class SyncGroup(object):
         self.axis = axis
         self.transport = transport or LocalTransport()
         self._init_subgroups(sync_groups)
-        if self.transport.cross_process:
-            # An aborted step leaves the other workers waiting for our sums.
-            SESSION.add_abort_listener(self.transport.fail_on_abort)
         hint = timeout_hint(self.devices)
         self.barrier = CallOrderBarrier(name, self.devices, timeout, hint=hint, session=SESSION)
         self.host_memory = in_host_memory(self.devices)
         # Which operator synchronizes the calls ('async', 'exchange' or
         # 'python') and, for the Python operator, why.
-        self.operator, self.why_python = native.choose_operator(
-            self.host_memory, self.transport.cross_process)
+        self.operator, self.why_python = native.choose_operator(self.host_memory,
+                                                                self.transport)
+        if self.transport.cross_process and self.operator == 'python':
+            # An aborted step leaves the other workers waiting for our sums
+            # (the native session sees to that for the native operators).
+            SESSION.add_abort_listener(self.transport.fail_on_abort)
         SESSION.prepare_engine()
         self._running_arrays = []
         # The exchange graph of imperative calls, as CachedOps (graph.VectorGraph).
@@ -272,6 +273,10 @@ class SyncGroup(object):
                 group_id.encode(), name.encode(), b'\0'.join(d.encode() for d in self.devices),
                 len(self.devices), float(timeout), hint.encode(), subgroups,
                 len(self.groups))
+            if self.needs_transport:
+                owners = (ctypes.c_double * self._ownership.size)(*self._ownership)
+                SESSION._native.gsbn_group_set_transport(
+                    group_id.encode(), self.transport.native, owners, self._ownership.size)
 
     def _init_subgroups(self, sync_groups):
         """``groups`` (global device indices), each local device's group, and
@@ -283,8 +288,10 @@ class SyncGroup(object):
         first = rank * local
         owner = {d: g for g, members in enumerate(self.groups) for d in members}
         self.subgroup_of = [owner[first + i] for i in range(local)]
-        self.needs_transport = cross and any(
-            len({d // local for d in members}) > 1 for members in self.groups)
+        # (A cross-process store of one worker, which only tests make, is
+        # used too: it runs the real reduction chain in one process.)
+        self.needs_transport = cross and (workers == 1 or any(
+            len({d // local for d in members}) > 1 for members in self.groups))
         # With groups across workers, each reduction also checks that the
         # workers agree on the global numbering: every device owned once.
         self._ownership = np.zeros(0)

@@ -7,6 +7,13 @@ existing engine: MXNet's distributed kvstore (:class:`KVStoreTransport`) or
 Horovod (:class:`HorovodTransport`). Either way, one reduction per layer call
 in forward and one in backward.
 
+Each cross-process transport has a *native twin* (``native/transport.h``)
+where the native operators run: the same reductions issued as engine
+operations by the native session, no Python per call. The classes here then
+only set it up (:meth:`~_CrossProcessTransport.make_native`), share the
+store's lock with it and end the process after its fatal failures; their own
+``allreduce`` serves the Python operator, the fallback.
+
 Rules every cross-process transport follows:
 
 * Each layer gets a *slot* when its first call is issued. That happens on the
@@ -25,10 +32,12 @@ Rules every cross-process transport follows:
   the other workers.
 """
 import atexit
+import ctypes
 import os
 import sys
 import threading
 import time
+import warnings
 import weakref
 
 import numpy as np
@@ -40,7 +49,9 @@ __all__ = ['LocalTransport', 'KVStoreTransport', 'HorovodTransport', 'make_trans
 
 # Trainer uses int keys 0..P-1 and one store cannot mix int and str keys, so
 # ours are ints far above any parameter count: slot s uses KEY_BASE + 2s (+1).
-KEY_BASE = 1 << 30
+KEY_BASE = 1 << 30  # native/transport.h's kKeyBase
+# The Horovod releases whose horovod_mxnet_allreduce_async the native twin calls.
+_HOROVOD_NATIVE = '0.28'
 DEFAULT_EXIT_GRACE = 30.0
 
 _SUPPORTED_KVSTORES = ('dist_sync', 'dist_sync_device', 'dist_device_sync')
@@ -79,6 +90,24 @@ class _CrossProcessTransport(object):
         self._layers = {}  # slot -> name for messages
         self._broken = None
         self.exit_grace = float(os.environ.get('GLUON_SYNCBN_EXIT_GRACE', DEFAULT_EXIT_GRACE))
+        self.native = None  # the native twin's id, once made
+        self.why_python = ''  # why there is none
+
+    def make_native(self, lib):
+        """The id of this transport's native twin in ``lib``, made at the
+        first call; None (with the reason in ``why_python``) if there cannot
+        be one. Once a twin exists, the process ends at interpreter exit if
+        its synchronization broke (the native session's fatal failures)."""
+        if self.native is None and not self.why_python:
+            twin = self._make_native(lib)
+            if twin is not None:
+                atexit.register(_exit_if_broken, lib, self.rank)
+                self.native = twin
+        return self.native
+
+    def _make_native(self, lib):
+        self.why_python = 'this transport has no native twin'
+        return None
 
     def attach(self, group_id, layer_name, forward_len, backward_len):
         """Give the layer a slot for vectors of these lengths; must run on the
@@ -198,6 +227,13 @@ class _CrossProcessTransport(object):
                                            % (self.rank, cause)))
 
 
+def _exit_if_broken(lib, rank):
+    buf = ctypes.create_string_buffer(1 << 14)
+    if lib.gsbn_broken(buf, len(buf)):
+        _end_process('gluon_syncbn: worker %d exits after a failed cross-process reduction: %s'
+                     % (rank, buf.value.decode('utf-8', 'replace')))
+
+
 def _end_process(message):
     sys.stdout.flush()
     sys.stderr.write(message + '\n')
@@ -225,7 +261,21 @@ class KVStoreTransport(_CrossProcessTransport):
         self.num_workers = kvstore.num_workers
         self._keys = {}
         super(KVStoreTransport, self).__init__()
-        _serialize_calls(kvstore, self._lock)
+        self._store_lock = _StoreLock(self)
+        _serialize_calls(kvstore, self._store_lock)
+
+    def _make_native(self, lib):
+        kvstore = self.kvstore
+        with self._store_lock:  # the wrappers take the twin's lock from now on
+            twin = lib.gsbn_transport_kvstore(kvstore.handle, self.rank, self.num_workers,
+                                              self.name.encode(), self.exit_grace)
+            self._native_lib = lib
+        # A store the user drops while layers still use it: their reductions
+        # fail with this instead of touching freed memory.
+        weakref.finalize(kvstore, lib.gsbn_transport_close, twin, (
+            'the kvstore given as kvstore= was deleted; keep it alive while the network '
+            'trains (the Trainer normally holds it)').encode())
+        return twin
 
     @property
     def kvstore(self):
@@ -261,6 +311,33 @@ class KVStoreTransport(_CrossProcessTransport):
         out = mx.nd.empty(vector.shape, ctx=mx.cpu(), dtype='float64')
         self.kvstore.pushpull(key, send, out=out)
         return out.asnumpy
+
+
+class _StoreLock(object):
+    """The lock every call on a kvstore holds: the transport's own, and,
+    once the native twin exists, the twin's store lock too, behind which
+    engine threads queue their reductions instead of waiting
+    (``native/transport.h``, ``StoreLock``). Re-entrant: the Python operator's
+    ``allreduce`` holds the transport's lock around the wrapped ``pushpull``."""
+
+    def __init__(self, transport):
+        self._transport = transport
+        self._native = []  # per nesting level: whether it took the twin's lock
+
+    def __enter__(self):
+        transport = self._transport
+        transport._lock.acquire()
+        twin = transport.native if len(self._native) == 0 else None
+        if twin is not None:
+            transport._native_lib.gsbn_store_acquire(twin)
+        self._native.append(twin)
+        return self
+
+    def __exit__(self, *exc):
+        twin = self._native.pop()
+        if twin is not None:
+            self._transport._native_lib.gsbn_store_release(twin)
+        self._transport._lock.release()
 
 
 def _serialize_calls(kvstore, lock):
@@ -322,6 +399,23 @@ class HorovodTransport(_CrossProcessTransport):
         self.rank = hvd.rank()
         self.num_workers = hvd.size()
         super(HorovodTransport, self).__init__()
+
+    def _make_native(self, lib):
+        import horovod  # pylint: disable=import-outside-toplevel
+        if not horovod.__version__.startswith(_HOROVOD_NATIVE + '.'):
+            self.why_python = (
+                'Horovod %s: the native transport calls horovod_mxnet_allreduce_async, whose C '
+                'signature it knows for Horovod %s.x only' % (horovod.__version__,
+                                                             _HOROVOD_NATIVE))
+            warnings.warn('gluon_syncbn: %s; using the Python operator across processes '
+                          '(the same results, about 10x the host cost per call).'
+                          % self.why_python, RuntimeWarning, stacklevel=2)
+            return None
+        from horovod.mxnet import mpi_ops  # pylint: disable=import-outside-toplevel
+        allreduce = ctypes.cast(mpi_ops.MPI_MXNET_LIB_CTYPES.horovod_mxnet_allreduce_async,
+                                ctypes.c_void_p).value
+        return lib.gsbn_transport_horovod(allreduce, int(self._hvd.Sum), self.rank,
+                                          self.num_workers, self.exit_grace)
 
     def _init_slot(self, slot, forward_size, backward_size):
         pass  # Horovod matches reductions by name; nothing to create.

@@ -68,10 +68,13 @@ class Worker(object):
 
 
 def layer(backend, devices, sizes, shape=(3, 4, 5), axis=1, steps=2, hybridize=False, seed=0,
-          sync_groups=None):
+          sync_groups=None, run_ahead=False):
     """SyncBatchNorm across workers vs float64 maths on the global batch (or,
     with ``sync_groups``, within each group of global devices).
-    A size of 0 is an empty slice (run under NumPy shape mode)."""
+    A size of 0 is an empty slice (run under NumPy shape mode).
+    ``hybridize='static'``: static_alloc and static_shape. ``run_ahead``:
+    nothing is read until every step is issued (then the gradients of gamma
+    and beta, which each step overwrites, only for the last step)."""
     from gluon_syncbn.groups import check_sync_groups, partition
     if 0 in sizes:
         mx.util.set_np_shape(True)
@@ -88,10 +91,11 @@ def layer(backend, devices, sizes, shape=(3, 4, 5), axis=1, steps=2, hybridize=F
     bn.gamma.set_data(mx.nd.array(gamma))
     bn.beta.set_data(mx.nd.array(beta))
     if hybridize:
-        bn.hybridize()
+        bn.hybridize(static_alloc=hybridize == 'static', static_shape=hybridize == 'static')
     errs = WorstErrors()
     run = {i: (np.zeros(channels), np.ones(channels)) for i in worker.mine}
-    for _ in range(steps):
+    issued = []
+    for step in range(steps):
         x = (rng.randn(*full) * 2 + 1).astype(np.float32)
         dy = rng.randn(*full).astype(np.float32)
         xs, dys = worker.slices(x), worker.slices(dy)
@@ -102,17 +106,24 @@ def layer(backend, devices, sizes, shape=(3, 4, 5), axis=1, steps=2, hybridize=F
         autograd.backward(ys, dys)
         ref = grouped_batchnorm_float64(split_batch(x, sizes), split_batch(dy, sizes), groups,
                                         gamma, beta, axis)
-        for i, c, y, a in zip(worker.mine, worker.ctxs, ys, xs):
+        issued.append((ys, xs, ref))
+        if run_ahead and step < steps - 1:
+            continue
+        for ys, xs, ref in issued:
+            for i, c, y, a in zip(worker.mine, worker.ctxs, ys, xs):
+                y64, dx64, dg64, db64, mean64, var64 = ref[i]
+                run[i] = (run[i][0] * 0.9 + mean64 * 0.1, run[i][1] * 0.9 + var64 * 0.1)
+                errs.note('y', y.asnumpy(), y64)
+                errs.note('dx', a.grad.asnumpy(), dx64)
+        # gamma/beta gradients stay per device: this device's share of the sums
+        for i, c in zip(worker.mine, worker.ctxs):
             y64, dx64, dg64, db64, mean64, var64 = ref[i]
-            run[i] = (run[i][0] * 0.9 + mean64 * 0.1, run[i][1] * 0.9 + var64 * 0.1)
-            errs.note('y', y.asnumpy(), y64)
-            errs.note('dx', a.grad.asnumpy(), dx64)
-            # gamma/beta gradients stay per device: this device's share of the sums
             errs.note('dgamma', bn.gamma.grad(c).asnumpy(), dg64)
             errs.note('dbeta', bn.beta.grad(c).asnumpy(), db64)
             errs.note('running_mean', bn.running_mean.data(c).asnumpy(), run[i][0])
             errs.note('running_var', bn.running_var.data(c).asnumpy(), run[i][1])
-    return dict(errs, rank=worker.rank)
+        issued = []
+    return dict(errs, rank=worker.rank, operator=bn._group.operator)
 
 
 def _trainer(worker, net, update_on_kvstore):
@@ -125,10 +136,11 @@ def _trainer(worker, net, update_on_kvstore):
 
 
 def train(backend, devices, sizes, steps=3, hybridize=False, image=8, seed=0, fault=None,
-          timeout=60.0, update_on_kvstore=False):
+          timeout=60.0, update_on_kvstore=False, layers=3, dtype='float32'):
     """A Trainer loop across workers vs float64 full-batch training in one process.
 
-    ``fault``: ``'kill'`` (rank 1 kills itself before step 2), ``'stall'``
+    ``dtype``: the network's (float64 keeps deep nets' rounding far below
+    the tolerance). ``fault``: ``'kill'`` (rank 1 kills itself before step 2), ``'stall'``
     (rank 1 stops calling the network before step 2) or ``'bad_input'``
     (rank 1 feeds the wrong channel count at step 2).
     """
@@ -136,9 +148,9 @@ def train(backend, devices, sizes, steps=3, hybridize=False, image=8, seed=0, fa
     rng = np.random.RandomState(seed)
     mx.random.seed(seed)
     batch = int(sum(sizes))
-    ref = build('conv', 'plain', layers=3)
+    ref = build('conv', 'plain', layers=layers)
     ref.initialize(mx.init.Xavier(), ctx=mx.cpu(0))
-    net = convert_model(build('conv', 'plain', layers=3), kvstore=worker.kvstore,
+    net = convert_model(build('conv', 'plain', layers=layers), kvstore=worker.kvstore,
                         timeout=timeout)
     net.initialize(ctx=worker.ctxs)
     x0 = mx.nd.array(rng.randn(batch, 3, image, image), dtype='float32')
@@ -150,6 +162,7 @@ def train(backend, devices, sizes, steps=3, hybridize=False, image=8, seed=0, fa
             -0.3, 0.3, p.shape) + (1.0 if p.name.endswith(('gamma', 'running_var')) else 0.0)))
     copy_params(ref, net)
     ref.cast('float64')
+    net.cast(dtype)
     if hybridize:
         net.hybridize()
         ref.hybridize()
@@ -171,7 +184,7 @@ def train(backend, devices, sizes, steps=3, hybridize=False, image=8, seed=0, fa
             time.sleep(600)
         if step == 1 and worker.rank == 1 and fault == 'bad_input':
             x = x[:, :2]
-        xs, labels = worker.slices(x), worker.slices(label)
+        xs, labels = worker.slices(x.astype(dtype)), worker.slices(label.astype(dtype))
         with autograd.record():
             losses = [loss_fn(net(a), b) for a, b in zip(xs, labels)]
         autograd.backward(losses)
@@ -191,7 +204,15 @@ def train(backend, devices, sizes, steps=3, hybridize=False, image=8, seed=0, fa
                 if os.environ.get('SCENARIO_VERBOSE'):
                     print('step', step, name, c, max_rel_err(p.data(c).asnumpy(),
                                                              rp.data().asnumpy()), flush=True)
-    return dict(errs, rank=worker.rank)
+    return dict(errs, rank=worker.rank, operator=','.join(sorted(_operators(net))))
+
+
+def _operators(block):
+    """The operators the SyncBatchNorm layers in ``block`` synchronize with."""
+    found = {block._group.operator} if getattr(block, '_group', None) is not None else set()
+    for child in block._children.values():
+        found |= _operators(child)
+    return found
 
 
 SCENARIOS = {'layer': layer, 'train': train}

@@ -30,8 +30,10 @@ run the Python operator, with one warning.
     for completing the Python operator's failed calls one after another
     (``failures.h``); it registers no operator.
 
-Across processes (kvstore, Horovod) the Python operator always runs: its
-transports are Python.
+Across processes (kvstore, Horovod) the same operators run, and each
+process's sums leave it through the transport's native twin (``transport.h``,
+made by :mod:`gluon_syncbn.transport`); where there is none (an unknown
+Horovod version), the Python operator and its Python transport.
 
 The library is compiled with ``$CXX`` (default ``g++``) against the headers
 and ``libmxnet.so`` that ship in the mxnet wheel, into
@@ -188,9 +190,23 @@ def _declare(lib):
     lib.gsbn_fail_python_call.argtypes = [c.c_void_p, c.c_void_p, c.c_char_p]
     lib.gsbn_token.restype = c.c_uint64
     lib.gsbn_begin_step.restype = None
-    lib.gsbn_abort.argtypes = [c.c_char_p]
+    lib.gsbn_abort.argtypes = [c.c_char_p, c.c_int]
     lib.gsbn_abort.restype = None
-    for name in ('gsbn_cause', 'gsbn_take_errors'):
+    lib.gsbn_group_set_transport.argtypes = [c.c_char_p, c.c_int, c.POINTER(c.c_double),
+                                             c.c_int]
+    lib.gsbn_group_set_transport.restype = None
+    lib.gsbn_transport_kvstore.argtypes = [c.c_void_p, c.c_int, c.c_int, c.c_char_p,
+                                           c.c_double]
+    lib.gsbn_transport_horovod.argtypes = [c.c_void_p, c.c_int, c.c_int, c.c_int, c.c_double]
+    lib.gsbn_transport_loopback.argtypes = [c.c_int, c.c_char_p, c.c_double]
+    lib.gsbn_transport_close.argtypes = [c.c_int, c.c_char_p]
+    lib.gsbn_transport_close.restype = None
+    lib.gsbn_store_queued.argtypes = [c.c_int]
+    lib.gsbn_store_queued.restype = c.c_int64
+    for name in ('gsbn_store_acquire', 'gsbn_store_release'):
+        getattr(lib, name).argtypes = [c.c_int]
+        getattr(lib, name).restype = None
+    for name in ('gsbn_cause', 'gsbn_take_errors', 'gsbn_broken'):
         getattr(lib, name).argtypes = [c.c_char_p, c.c_int]
 
 
@@ -322,31 +338,32 @@ def exchange_operator():
     return _state['exchange']
 
 
-def choose_operator(host_memory, cross_process):
+def choose_operator(host_memory, transport):
     """``(operator, why_python)``: the operator a group's calls take, chosen
     here and nowhere else, once per group (``registry.SyncGroup``).
 
-    ``'async'`` on CPU contexts of one process, ``'exchange'`` on GPUs of one
-    process (``host_memory`` False), where the native library loaded and the
-    operator passed its self-test; else ``'python'``, with the reason in
+    ``'async'`` on CPU contexts, ``'exchange'`` on GPUs (``host_memory``
+    False), where the native library loaded and the operator passed its
+    self-test, and, across processes, where ``transport`` has a native twin
+    (:mod:`gluon_syncbn.transport`); else ``'python'``, with the reason in
     ``why_python`` ('' for a native operator).
     """
-    if cross_process:
-        return 'python', 'across processes the transports (kvstore, Horovod) are Python'
     if implementation() == 'python':
         return 'python', '%s=python' % IMPLEMENTATION_VARIABLE
     kind = 'async' if host_memory else 'exchange'
     functions = async_operator() if host_memory else exchange_operator()
-    if functions is not None:
-        return kind, ''
-    if _state['why_not']:
-        return 'python', _state['why_not']
-    # The exchange operator is registered only beside the asynchronous one.
-    failed = kind if kind in _state['verdicts'] else 'async'
-    verdict = _state['verdicts'].get(failed)
-    if verdict == 'ok':
-        return 'python', "MXNet's registry refused the %s operator" % failed
-    return 'python', 'the %s operator failed its self-test: %s' % (failed, verdict)
+    if functions is None:
+        if _state['why_not']:
+            return 'python', _state['why_not']
+        # The exchange operator is registered only beside the asynchronous one.
+        failed = kind if kind in _state['verdicts'] else 'async'
+        verdict = _state['verdicts'].get(failed)
+        if verdict == 'ok':
+            return 'python', "MXNet's registry refused the %s operator" % failed
+        return 'python', 'the %s operator failed its self-test: %s' % (failed, verdict)
+    if transport.cross_process and transport.make_native(_state['lib']) is None:
+        return 'python', transport.why_python
+    return kind, ''
 
 
 def async_operator():

@@ -137,10 +137,16 @@ Op node_op(const nnvm::NodeAttrs& attrs, const mxnet::Context& ctx) {
 }
 
 mxnet::OpStatePtr async_create_state(const nnvm::NodeAttrs& attrs, mxnet::Context ctx,
-                                     const mxnet::ShapeVector&, const std::vector<int>&) {
+                                     const mxnet::ShapeVector& in_shapes,
+                                     const std::vector<int>&) {
   auto* state = new AsyncState();
   state->dev_id = ctx.dev_id;
   state->op = node_op(attrs, ctx);
+  const mxnet::TShape& data = in_shapes[0];
+  const int axis = state->op.params.axis < 0 ? state->op.params.axis + data.ndim()
+                                             : state->op.params.axis;
+  std::string error;
+  CHECK(attach_remote(*state->op.group, data[axis], &error)) << error;
   return make_state(state, layer_variable(state->op.params.group_id, state->op.device));
 }
 

@@ -257,10 +257,13 @@ void fail_call(const mxnet::engine::CallbackOnComplete& on_complete, const Group
 }
 
 mxnet::OpStatePtr exchange_create_state(const nnvm::NodeAttrs& attrs, mxnet::Context ctx,
-                                        const mxnet::ShapeVector&, const std::vector<int>&) {
+                                        const mxnet::ShapeVector& in_shapes,
+                                        const std::vector<int>&) {
   auto* state = new ExchangeState();
   state->dev_id = ctx.dev_id;
   state->op = node_op(attrs, ctx);
+  std::string error;  // the packed input: [m1 | m2 | v | gamma | beta]
+  CHECK(attach_remote(*state->op.group, in_shapes[0].Size() / 5, &error)) << error;
   state->staging = layer_staging(state->op.params.group_id, state->op.device);
   return make_state(state, layer_variable(state->op.params.group_id, state->op.device));
 }

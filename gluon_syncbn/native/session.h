@@ -2,11 +2,15 @@
 // a call belongs to, how the k-th calls of the devices meet, and how a step
 // fails. Nothing here waits: a device's call hands its vector over with a
 // continuation, which runs once the exchange is complete or has failed.
+// Across processes an exchange has a remote phase: the process's sum goes
+// through the group's transport (transport.h), and the checked sum over all
+// workers completes it; a failure there is fatal (see fatal_locked).
 // Included once, by syncbn.cc.
 #pragma once
 #include <mxnet/c_api.h>
 
 #include <chrono>
+#include <cmath>
 #include <condition_variable>
 #include <cstdint>
 #include <cstdio>
@@ -21,6 +25,7 @@
 #include <tuple>
 #include <vector>
 
+#include "transport.h"
 #include "wire.h"
 
 namespace {
@@ -41,6 +46,20 @@ std::string& g_cause = *new std::string();
 std::deque<std::string>& g_errors = *new std::deque<std::string>();  // "Kind\tmessage", oldest first
 std::map<std::string, std::shared_ptr<Group>>& g_groups =
     *new std::map<std::string, std::shared_ptr<Group>>();
+// Across processes: set once a failure broke synchronization with the other
+// workers (then every later remote exchange fails at once, and the process
+// ends: fatal_locked); this worker's rank once a layer's sums leave it.
+std::string& g_broken = *new std::string();
+int g_remote_rank = -1;
+double g_exit_grace = 30.0;
+
+// The watchdog (see watchdog()). When it wakes next (at the latest a second
+// from its last look): only an exchange with an earlier deadline needs to
+// wake it, so a call with the usual timeout of many seconds costs no thread
+// wake-up.
+std::condition_variable& g_watchdog_cv = *new std::condition_variable();
+bool g_watchdog_started = false;
+std::chrono::steady_clock::time_point g_watchdog_wake;
 
 typedef std::tuple<int, uint64_t, int64_t> Key;  // (0 fwd / 1 bwd, token, call number)
 
@@ -65,10 +84,11 @@ struct Exchange {
   std::vector<double> result;
   std::vector<std::pair<int, Waiter>> waiters;  // the devices' continuations
   std::chrono::steady_clock::time_point deadline;
+  bool remote = false;                      // in the remote phase (across processes)
   Exchange(uint64_t t, int n) : token(t), values(n), dtypes(n) {}
 };
 
-struct Group {
+struct Group : std::enable_shared_from_this<Group> {
   std::string name, hint;
   std::vector<std::string> devices;
   std::vector<int> subgroup;  // each device's sync group (sync_groups), 0 by default
@@ -80,6 +100,12 @@ struct Group {
   // static_shape graphs only: each device's running mean and variance arrays
   // (the Parameter's own NDArrays, kept alive by the Python group).
   std::vector<std::vector<NDArrayHandle>> running;
+  // Across processes, where a sync group spans workers: the transport, the
+  // layer's slot in it (-1 until its first call), and this worker's entries
+  // of the global device ownership vector (empty without sync_groups).
+  std::shared_ptr<Transport> transport;
+  int slot = -1;
+  std::vector<double> ownership;
 };
 
 // Continuations to run once g_mutex is released, with their error or sum.
@@ -117,12 +143,41 @@ void run_pending() {
 // `message` as the error of layer `layer`: every failure a call raises names
 // the layer it surfaced in, also when another layer (or user code) caused it.
 std::string in_layer(const std::string& layer, const std::string& message) {
-  const std::string head = "SyncBatchNorm '" + layer + "'";
-  return message.compare(0, head.size(), head) == 0 ? message : head + ": " + message;
+  const std::string head = "SyncBatchNorm '" + layer + "'", bare = "SyncBatchNorm: ";
+  if (message.compare(0, head.size(), head) == 0) return message;
+  if (message.compare(0, bare.size(), bare) == 0) return head + ": " + message.substr(bare.size());
+  return head + ": " + message;
 }
 
-// Fail every waiting exchange: the step is over (lock held).
-void abort_locked(const std::string& cause, const std::string& kind = "SyncBatchNormError") {
+// A failure across processes cannot be recovered from: the other workers
+// wait for sums this one will not send (ps-lite never gives up) and MXNet
+// cannot cancel a pending reduction. The first one breaks the session for
+// good, and the process ends at interpreter exit (transport.py's atexit
+// hook) or `g_exit_grace` seconds from now, whichever comes first; the
+// launcher then stops the other workers. transport.py words it the same
+// for the Python operator.
+void fatal_locked(const std::string& cause) {
+  if (!g_broken.empty()) return;
+  g_broken = cause;
+  const int rank = g_remote_rank;
+  const double grace = g_exit_grace;
+  std::thread([cause, rank, grace]() {
+    std::this_thread::sleep_for(std::chrono::duration<double>(grace));
+    std::fflush(stdout);
+    std::fprintf(stderr, "gluon_syncbn: worker %d did not exit within %gs of a failed "
+                 "cross-process reduction: %s\n", rank, grace, cause.c_str());
+    std::fflush(stderr);
+    std::_Exit(1);
+  }).detach();
+}
+
+// Fail every waiting exchange: the step is over (lock held). Fatal once
+// this worker's sums leave it, except at interpreter exit.
+void abort_locked(const std::string& cause, const std::string& kind = "SyncBatchNormError",
+                  bool exiting = false) {
+  if (!exiting && g_remote_rank >= 0)
+    fatal_locked("a SyncBatchNorm step failed on worker " + std::to_string(g_remote_rank) +
+                 ": " + cause);
   ++g_token;
   g_cause = cause;
   for (auto& g : g_groups) {
@@ -139,10 +194,10 @@ void abort_locked(const std::string& cause, const std::string& kind = "SyncBatch
 
 // Abort the step from outside the barrier (a call that cannot take part,
 // Python's failures): the other devices' calls fail at once.
-void abort_step(const std::string& cause) {
+void abort_step(const std::string& cause, bool exiting = false) {
   {
     std::lock_guard<std::mutex> lock(g_mutex);
-    abort_locked(cause);
+    abort_locked(cause, "SyncBatchNormError", exiting);
   }
   run_pending();
 }
@@ -192,6 +247,21 @@ std::shared_ptr<Exchange> slot_locked(Group& g, const Key& key) {
   return slot;
 }
 
+// Why a summed FORWARD vector cannot be used: a sync group of this
+// process's devices has no samples at all ("" if none).
+std::string empty_batch(const Group& g, const Key& key, const std::vector<double>& result) {
+  if (std::get<0>(key) != 0) return "";
+  const size_t size = result.size() / g.num_subgroups;
+  for (int s : g.subgroup)
+    if (result[s * size] <= 0)  // FORWARD: n
+      return "SyncBatchNorm '" + g.name + "': every device's slice of this batch is "
+             "empty" + (g.num_subgroups > 1 ? " in sync group " + std::to_string(s) : "") +
+             "; there is nothing to normalize. Skip empty batches.";
+  return "";
+}
+
+std::string start_remote_locked(Group& g, const Key& key, const std::shared_ptr<Exchange>& ex);
+
 // The last device to arrive: checks that the devices agree and sums their
 // vectors; returns the failure, or "" with the exchange done (lock held).
 std::string combine_locked(Group& g, const Key& key, const std::shared_ptr<Exchange>& ex) {
@@ -221,17 +291,190 @@ std::string combine_locked(Group& g, const Key& key, const std::shared_ptr<Excha
   ex->result.assign(g.num_subgroups * size, 0.0);
   for (int i = 0; i < n; ++i)
     for (size_t j = 0; j < size; ++j) ex->result[g.subgroup[i] * size + j] += ex->values[i][j];
-  for (int s = 0; s < g.num_subgroups; ++s)
-    if (std::get<0>(key) == 0 && ex->result[s * size] <= 0)  // FORWARD: n
-      return "SyncBatchNorm '" + g.name + "': every device's slice of this batch is "
-             "empty" + (g.num_subgroups > 1 ? " in sync group " + std::to_string(s) : "") +
-             "; there is nothing to normalize. Skip empty batches.";
+  if (g.transport) return start_remote_locked(g, key, ex);
+  const std::string empty = empty_batch(g, key, ex->result);
+  if (!empty.empty()) return empty;
   ex->done = true;
   dispatch_locked(g, key, ex);
   return "";
 }
 
+// ----------------------------------------------------------- remote phase --
+// Across processes the last device's sum goes to the other workers as
+// wire.py's CHECKED vector, [channels, call, one row per sync group,
+// ownership], and the exchange completes with the checked sum.
+
+const size_t kChecks = 2;  // wire.CHECKS
+
+std::string slot_name(const Group& g) {
+  return "'" + g.name + "' (slot " + std::to_string(g.slot) + ")";
+}
+
+const char* direction_name(const Key& key) { return std::get<0>(key) == 0 ? "fwd" : "bwd"; }
+
+std::string broken_message(const Group& g) {
+  return "SyncBatchNorm: cross-process synchronization was lost earlier and cannot resume "
+         "(pending " + g.transport->name + " reductions cannot be cancelled): " + g_broken;
+}
+
+std::string format_numbers(const double* v, size_t n) {
+  std::string out = "[";
+  char number[32];
+  for (size_t i = 0; i < n; ++i) {
+    std::snprintf(number, sizeof(number), "%s%g", i ? ", " : "", v[i]);
+    out += number;
+  }
+  return out + "]";
+}
+
+void complete_remote(const std::shared_ptr<Group>& g, const Key& key,
+                     const std::shared_ptr<Exchange>& ex, const std::string& error,
+                     const std::vector<double>& total);
+
+// Hands the exchange's sum to the transport once g_mutex is released, with a
+// fresh deadline for the other workers (lock held).
+std::string start_remote_locked(Group& g, const Key& key, const std::shared_ptr<Exchange>& ex) {
+  if (!g_broken.empty()) return broken_message(g);
+  if (g.slot < 0)
+    return "SyncBatchNorm '" + g.name + "' has no slot in " + g.transport->name + ": its "
+           "first call was not issued from the main thread; this is a bug in gluon_syncbn, "
+           "please report it.";
+  const int dir = std::get<0>(key);
+  const size_t size = ex->values[0].size();
+  std::vector<double> payload = {
+      static_cast<double>(dir == 0 ? forward_channels(size) : backward_channels(size)),
+      static_cast<double>(std::get<2>(key))};
+  payload.insert(payload.end(), ex->result.begin(), ex->result.end());
+  payload.insert(payload.end(), g.ownership.begin(), g.ownership.end());
+  ex->remote = true;
+  ex->deadline = std::chrono::steady_clock::now() +
+                 std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                     std::chrono::duration<double>(g.timeout));
+  if (ex->deadline < g_watchdog_wake) g_watchdog_cv.notify_all();
+  std::shared_ptr<Group> group = g.shared_from_this();
+  std::shared_ptr<Transport> transport = g.transport;
+  const int slot = g.slot;
+  g_pending.emplace_back([group, transport, slot, dir, key, ex, payload](
+                             const std::string&, const std::vector<double>&) {
+    transport->start(slot, dir, payload, [group, key, ex](const std::string& error,
+                                                          const std::vector<double>& total) {
+      complete_remote(group, key, ex, error, total);
+    });
+  }, "", std::vector<double>());
+  return "";
+}
+
+// What is wrong with the sum over all workers, or "" with ex->result set to
+// this worker's rows (lock held).
+std::string check_remote_locked(const Group& g, const Key& key, Exchange& ex,
+                                const std::vector<double>& total) {
+  const Transport& t = *g.transport;
+  const size_t size = ex.values[0].size(), rows = g.num_subgroups * size;
+  const double own[2] = {
+      static_cast<double>(std::get<0>(key) == 0 ? forward_channels(size)
+                                                : backward_channels(size)),
+      static_cast<double>(std::get<2>(key))};
+  const double expected[2] = {own[0] * t.workers, own[1] * t.workers};
+  if (total.size() != kChecks + rows + g.ownership.size())
+    return "SyncBatchNorm: the " + std::string(direction_name(key)) + " reduction of layer " +
+           slot_name(g) + " came back from " + t.name + " with " +
+           std::to_string(total.size()) + " numbers instead of " +
+           std::to_string(kChecks + rows + g.ownership.size()) + "; this is a bug in "
+           "gluon_syncbn, please report it.";
+  if (t.workers > 1 && total[0] == own[0] && total[1] == own[1])
+    return "SyncBatchNorm: the " + std::string(direction_name(key)) + " reduction of layer " +
+           slot_name(g) + " failed in " + t.name + ": no sum came back (the engine reported "
+           "an error on it). Another worker probably died; see its log.";
+  if (total[0] != expected[0] || total[1] != expected[1]) {
+    const std::string where =
+        "SyncBatchNorm: at the " + std::string(direction_name(key)) + " reduction of layer " +
+        slot_name(g) + ", the " + std::to_string(t.workers) + " workers' check numbers add "
+        "up to " + format_numbers(total.data(), 2) + " instead of " +
+        format_numbers(expected, 2) + " (channels, call number). ";
+    if (total[0] != std::round(total[0]) || total[1] != std::round(total[1]))
+      return where + "The kvstore changed our sums: it applies an optimizer to every key. "
+                     "Create the Trainer with update_on_kvstore=False.";
+    return where + "The workers are out of step (this worker: " +
+           std::to_string(static_cast<int64_t>(own[0])) + " channels, call #" +
+           std::to_string(static_cast<int64_t>(own[1])) + "): every worker must run the "
+           "same network and call it the same number of times.";
+  }
+  std::vector<int> clashes;
+  for (size_t i = 0; i < g.ownership.size(); ++i)
+    if (total[kChecks + rows + i] != 1) clashes.push_back(static_cast<int>(i));
+  if (!clashes.empty()) {
+    std::string which;
+    for (int d : clashes) which += (which.empty() ? "" : ", ") + std::to_string(d);
+    return "SyncBatchNorm '" + g.name + "': the workers disagree on the global device "
+           "numbering of sync_groups (devices owned by no worker or by several: [" + which +
+           "]). Every worker must use the same number of devices.";
+  }
+  ex.result.assign(total.begin() + kChecks, total.begin() + kChecks + rows);
+  return empty_batch(g, key, ex.result);
+}
+
+// The transport's answer: completes the exchange, or fails the step (and the
+// process: fatal_locked). Ignored if the exchange failed meanwhile (its
+// deadline, an abort).
+void complete_remote(const std::shared_ptr<Group>& g, const Key& key,
+                     const std::shared_ptr<Exchange>& ex, const std::string& error,
+                     const std::vector<double>& total) {
+  {
+    std::lock_guard<std::mutex> lock(g_mutex);
+    if (ex->done || !ex->error.empty()) return;
+    const std::string failure =
+        !error.empty()
+            ? "SyncBatchNorm: the " + std::string(direction_name(key)) + " reduction of layer " +
+                  slot_name(*g) + " failed in " + g->transport->name + ": " + error +
+                  ". Another worker probably died; see its log."
+            : check_remote_locked(*g, key, *ex, total);
+    if (failure.empty()) {
+      ex->done = true;
+      dispatch_locked(*g, key, ex);
+    } else {
+      fatal_locked(failure);
+      abort_locked(failure);
+    }
+  }
+  run_pending();
+}
+
+// Gives a layer whose sums leave the process its slot in the transport, at
+// its first call with `channels` channels (main thread, in network order:
+// the operators' FCreateOpState). False with `error` set if that failed.
+bool attach_remote(Group& g, int64_t channels, std::string* error) {
+  std::shared_ptr<Transport> t;
+  size_t sizes[2];
+  {
+    std::lock_guard<std::mutex> lock(g_mutex);
+    if (!g.transport || g.slot >= 0 || channels <= 0) return true;
+    t = g.transport;
+    sizes[0] = kChecks + g.num_subgroups * (1 + 2 * channels) + g.ownership.size();
+    sizes[1] = kChecks + g.num_subgroups * 2 * channels + g.ownership.size();
+  }
+  int slot = -1;
+  if (!t->add_slot(sizes, &slot, error)) {
+    *error = "SyncBatchNorm '" + g.name + "' could not set up its " + t->name + " keys: " +
+             *error;
+    return false;
+  }
+  std::lock_guard<std::mutex> lock(g_mutex);
+  g.slot = slot;
+  g_remote_rank = t->rank;
+  return true;
+}
+
 std::string timeout_message(const Group& g, const Key& key, const Exchange& ex) {
+  if (ex.remote) {
+    char head[128];
+    std::snprintf(head, sizeof(head), "SyncBatchNorm: worker %d of %d waited %gs",
+                  g.transport->rank, g.transport->workers, g.timeout);
+    return head + std::string(" for the other workers at the ") + direction_name(key) +
+           " reduction #" + std::to_string(std::get<2>(key)) + " of layer " + slot_name(g) +
+           " (" + g.transport->name + "). A worker died, hangs, or runs a different number "
+           "of training calls; see the other workers' logs. Raise timeout= (or "
+           "GLUON_SYNCBN_TIMEOUT) if a worker is just slow.";
+  }
   const int n = static_cast<int>(g.devices.size());
   std::vector<int> arrived, missing;
   for (int i = 0; i < n; ++i) (ex.values[i].empty() ? missing : arrived).push_back(i);
@@ -246,29 +489,27 @@ std::string timeout_message(const Group& g, const Key& key, const Exchange& ex) 
 // ------------------------------------------------------------- watchdog --
 // Fails asynchronous exchanges at their deadline: nothing else waits for them.
 
-std::condition_variable& g_watchdog_cv = *new std::condition_variable();
-bool g_watchdog_started = false;
-// When the watchdog wakes next (at the latest a second from its last look):
-// only an exchange with an earlier deadline needs to wake it, so a call with
-// the usual timeout of many seconds costs no thread wake-up.
-std::chrono::steady_clock::time_point g_watchdog_wake;
-
 void watchdog() {
   std::unique_lock<std::mutex> lock(g_mutex);
   for (;;) {
     auto next = std::chrono::steady_clock::now() + std::chrono::seconds(1);
     std::string failure;
+    bool remote = false;
     for (auto& g : g_groups)
       for (auto& e : g.second->exchanges) {
         const Exchange& ex = *e.second;
         if (ex.waiters.empty() || ex.done || !ex.error.empty()) continue;
         if (ex.deadline <= std::chrono::steady_clock::now()) {
-          if (failure.empty()) failure = timeout_message(*g.second, e.first, ex);
+          if (failure.empty()) {
+            failure = timeout_message(*g.second, e.first, ex);
+            remote = ex.remote;
+          }
         } else if (ex.deadline < next) {
           next = ex.deadline;
         }
       }
     if (!failure.empty()) {
+      if (remote) fatal_locked(failure);  // the other workers: see fatal_locked
       abort_locked(failure, "SyncBatchNormTimeout");
       lock.unlock();
       run_pending();
@@ -293,6 +534,9 @@ void exchange_async(Group& g, const Key& key, int device, std::vector<double> va
     if (std::get<1>(key) != g_token) {
       record_locked("SyncBatchNormError", stale_message(g.name));
       g_pending.emplace_back(std::move(done), stale_message(g.name), std::vector<double>());
+    } else if (g.transport && !g_broken.empty()) {
+      record_locked("SyncBatchNormError", broken_message(g));
+      g_pending.emplace_back(std::move(done), broken_message(g), std::vector<double>());
     } else {
       const int n = static_cast<int>(g.devices.size());
       std::shared_ptr<Exchange> ex = slot_locked(g, key);

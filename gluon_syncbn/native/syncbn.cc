@@ -7,6 +7,8 @@
 //   exchange_op.h GPUs: MXNet's operators compute the local moments on the
 //                 device; this operator (cpu and gpu) exchanges the packed
 //                 per-channel vector through MXNet's engine copies;
+//   transport.h   across processes: a process's sums through the kvstore or
+//                 Horovod as engine operations on one buffer per key;
 //   session.h     the step token, the call-order barrier (continuations, whose
 //                 deadlines a watchdog thread keeps), recovery: every failure
 //                 (a timeout, devices that disagree, a call of an aborted step)
@@ -95,6 +97,70 @@ void gsbn_group_set_running(const char* id, int device, NDArrayHandle mean, NDAr
   running[device] = {mean, var};
 }
 
+// Across processes: the group's sums leave the process through transport
+// `transport` (gsbn_transport_*), with this worker's `num_owners` entries of
+// the global device ownership vector (none without sync_groups).
+void gsbn_group_set_transport(const char* id, int transport, const double* owners,
+                              int num_owners) {
+  auto t = find_transport(transport);
+  std::lock_guard<std::mutex> lock(g_mutex);
+  auto it = g_groups.find(id);
+  if (it == g_groups.end() || !t) return;
+  it->second->transport = t;
+  it->second->ownership.assign(owners, owners + num_owners);
+}
+
+// The transports (transport.h); each returns its id. `exit_grace`: how long
+// the process may live on after a fatal failure (fatal_locked).
+int gsbn_transport_kvstore(void* handle, int rank, int workers, const char* name,
+                           double exit_grace) {
+  g_exit_grace = exit_grace;
+  return add_transport(std::make_shared<KVStoreTransport>(handle, rank, workers, name));
+}
+
+int gsbn_transport_horovod(void* allreduce, int sum_op, int rank, int workers,
+                           double exit_grace) {
+  g_exit_grace = exit_grace;
+  return add_transport(std::make_shared<HorovodTransport>(allreduce, sum_op, rank, workers));
+}
+
+int gsbn_transport_loopback(int workers, const char* mode, double exit_grace) {
+  g_exit_grace = exit_grace;
+  return add_transport(std::make_shared<LoopbackTransport>(workers, mode));
+}
+
+// The kvstore behind `transport` was destroyed: its reductions fail with `why`.
+void gsbn_transport_close(int transport, const char* why) {
+  auto t = find_transport(transport);
+  if (t) t->close(why);
+}
+
+// The store lock of a kvstore transport, for Python's wrappers of the
+// store's methods (transport.py): acquire may wait (ctypes releases the GIL);
+// release first issues what engine threads queued meanwhile.
+void gsbn_store_acquire(int transport) {
+  auto t = std::dynamic_pointer_cast<KVStoreTransport>(find_transport(transport));
+  if (t) t->lock.acquire();
+}
+
+void gsbn_store_release(int transport) {
+  auto t = std::dynamic_pointer_cast<KVStoreTransport>(find_transport(transport));
+  if (t) t->lock.release();
+}
+
+// How many reductions engine threads left to the holder of the store lock.
+int64_t gsbn_store_queued(int transport) {
+  auto t = std::dynamic_pointer_cast<KVStoreTransport>(find_transport(transport));
+  return t ? t->lock.queued() : -1;
+}
+
+// Why cross-process synchronization broke ("" if it did not), copied into buf.
+int gsbn_broken(char* buf, int size) {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  std::snprintf(buf, size, "%s", g_broken.c_str());
+  return static_cast<int>(g_broken.size());
+}
+
 void gsbn_group_remove(const char* id) {
   std::lock_guard<std::mutex> lock(g_mutex);
   g_groups.erase(id);
@@ -111,7 +177,8 @@ void gsbn_begin_step() {
   g_issue_token = g_token;
 }
 
-void gsbn_abort(const char* cause) { abort_step(cause); }
+// Aborts the step; `exiting`: at interpreter exit, which is never fatal.
+void gsbn_abort(const char* cause, int exiting) { abort_step(cause, exiting != 0); }
 
 // The cause of the last abort, copied into buf (at most size bytes).
 int gsbn_cause(char* buf, int size) {

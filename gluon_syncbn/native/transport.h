@@ -1,0 +1,376 @@
+// How a process's per-layer sums reach the other worker processes: the remote
+// phase of an exchange, as a chain of engine operations on one persistent
+// float64 buffer per layer and direction (a "key"):
+//
+//   write the payload into the buffer (the key is idle: see start)
+//     -> the engine's all-reduce of the buffer in place
+//        (MXKVStorePushPull, or Horovod's allreduce_async: both only push
+//         engine operations)
+//     -> an engine operation reading the buffer hands the sum to `done`.
+//
+// No thread waits for the network; the session's watchdog bounds the wait.
+// This file knows nothing of layers or checks: session.h builds the payload
+// and checks the sum. Included once, by syncbn.cc, before session.h.
+#pragma once
+#include <mxnet/c_api.h>
+
+#include <array>
+#include <condition_variable>
+#include <cstdint>
+#include <cstring>
+#include <deque>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "arrays.h"
+#include "failures.h"
+
+namespace {
+
+// The sum of the workers' payloads, or the error that stopped it.
+typedef std::function<void(const std::string& error, const std::vector<double>& total)>
+    RemoteDone;
+
+const int kCPUPrioritized = 3, kNoSkip = 7;  // mxnet::FnProperty
+
+std::string last_mxnet_error() {
+  const char* e = MXGetLastError();
+  return e ? e : "unknown MXNet error";
+}
+
+// One key's persistent buffer. The engine orders every operation on it;
+// our own writes happen only while the key is idle.
+struct Buffer {
+  NDArrayHandle array = nullptr;
+  double* data = nullptr;
+  size_t size = 0;
+};
+
+struct Reduction {  // what the reading operation needs
+  Buffer buffer;
+  RemoteDone done;
+};
+
+void read_buffer(void*, void* param) {
+  auto* r = static_cast<Reduction*>(param);
+  r->done("", std::vector<double>(r->buffer.data, r->buffer.data + r->buffer.size));
+}
+void delete_reduction(void* param) { delete static_cast<Reduction*>(param); }
+
+// -------------------------------------------------------------- transport --
+class Transport {
+ public:
+  std::string name;  // for messages: "kvstore 'dist_sync'", "horovod", "loopback"
+  int rank = 0, workers = 1;
+
+  virtual ~Transport() {}
+
+  // Creates the buffers of a new slot (one per direction, of these sizes)
+  // and what the engine needs of them. Main thread, in network order, the
+  // same on every worker: initializing a kvstore key is collective.
+  bool add_slot(const size_t sizes[2], int* slot, std::string* error) {
+    std::array<Buffer, 2> buffers;
+    for (int dir = 0; dir < 2; ++dir) {
+      Buffer& b = buffers[dir];
+      b.size = sizes[dir];
+      const uint32_t shape[1] = {static_cast<uint32_t>(b.size)};
+      std::vector<double> zeros(b.size, 0.0);
+      void* data = nullptr;
+      if (MXNDArrayCreateEx(shape, 1, 1, 0, 0, kFloat64, &b.array) != 0 ||
+          MXNDArraySyncCopyFromCPU(b.array, zeros.data(), b.size) != 0 ||
+          MXNDArrayGetData(b.array, &data) != 0) {
+        *error = last_mxnet_error();
+        return false;
+      }
+      b.data = static_cast<double*>(data);
+    }
+    {
+      std::lock_guard<std::mutex> lock(slots_mutex_);
+      *slot = static_cast<int>(slots_.size());
+    }
+    for (int dir = 0; dir < 2; ++dir)
+      if (!init_key(*slot, dir, buffers[dir].array, error)) return false;
+    std::lock_guard<std::mutex> lock(slots_mutex_);
+    slots_.push_back(buffers);  // never freed, like the session's state
+    return true;
+  }
+
+  // Sums `payload` over the workers into `done`, through slot `slot`'s buffer
+  // of direction `dir` (0 forward, 1 backward). The key must be idle: its
+  // previous reduction's `done` has run (the engine serializes a layer's
+  // calls on each device, and a call completes only after its exchange).
+  void start(int slot, int dir, const std::vector<double>& payload, RemoteDone done) {
+    Buffer b;
+    {
+      std::lock_guard<std::mutex> lock(slots_mutex_);
+      b = slots_.at(slot)[dir];
+    }
+    if (payload.size() != b.size)
+      return done(name + " got " + std::to_string(payload.size()) + " numbers for a key of " +
+                  std::to_string(b.size), {});
+    std::memcpy(b.data, payload.data(), b.size * sizeof(double));
+    auto* r = new Reduction{b, std::move(done)};
+    reduce(slot, dir, b.array, [r, this]() {
+      NDArrayHandle array = r->buffer.array;
+      if (MXEnginePushSyncND(read_buffer, r, delete_reduction, kCPU0, &array, 1, nullptr, 0,
+                             &read_property_, 0, "gluon_syncbn_remote_sum") != 0) {
+        r->done(last_mxnet_error(), {});
+        delete_reduction(r);
+      }
+    }, [r](const std::string& error) {
+      r->done(error, {});
+      delete_reduction(r);
+    });
+  }
+
+  // The store was destroyed: every later reduction fails with `why`.
+  virtual void close(const std::string& why) {}
+
+ protected:
+  static int kCPU0[2];
+  // How the operation reading the sum runs: engines that report errors on
+  // the buffer (Horovod) need it to run anyway (kNoSkip), to see them.
+  int read_property_ = kCPUPrioritized;
+
+  virtual bool init_key(int slot, int dir, NDArrayHandle buffer, std::string* error) {
+    return true;
+  }
+  // Pushes the reduction of `buffer` in place, then calls `then` (which
+  // pushes the reading operation after it); or calls `failed`.
+  virtual void reduce(int slot, int dir, NDArrayHandle buffer, std::function<void()> then,
+                      std::function<void(const std::string&)> failed) = 0;
+
+ private:
+  std::mutex slots_mutex_;  // add_slot (main thread) against start (engine threads)
+  std::vector<std::array<Buffer, 2>> slots_;
+};
+int Transport::kCPU0[2] = {1, 0};
+
+// ---------------------------------------------------------------- kvstore --
+// MXNet's front end to a kvstore is not thread-safe (unguarded maps per key),
+// so every call on the store, ours and the Trainer's (through Python's
+// wrappers, transport.py), holds the store's lock. An engine thread never
+// waits for it: if the lock is held, its work is queued and the holder runs
+// the queue before letting go. Waiting there could deadlock: the main thread
+// holds the lock while a collective init waits for an operation on cpu(0)'s
+// worker.
+class StoreLock {
+ public:
+  void acquire() {  // may wait: not on an engine thread
+    std::unique_lock<std::mutex> lock(mutex_);
+    cv_.wait(lock, [this]() { return !held_; });
+    held_ = true;
+  }
+  void release() {  // runs what was queued meanwhile, then lets go
+    for (;;) {
+      std::function<void()> work;
+      {
+        std::lock_guard<std::mutex> lock(mutex_);
+        if (queue_.empty()) {
+          held_ = false;
+          cv_.notify_one();
+          return;
+        }
+        work = std::move(queue_.front());
+        queue_.pop_front();
+      }
+      work();
+    }
+  }
+  int64_t queued() {  // how often work was left to the holder
+    std::lock_guard<std::mutex> lock(mutex_);
+    return queued_;
+  }
+  void run_or_queue(std::function<void()> work) {  // never waits
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (held_) {
+        queue_.push_back(std::move(work));
+        ++queued_;
+        return;
+      }
+      held_ = true;
+    }
+    work();
+    release();
+  }
+
+ private:
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  bool held_ = false;
+  std::deque<std::function<void()>> queue_;
+  int64_t queued_ = 0;
+};
+
+const int kKeyBase = 1 << 30;  // transport.py's KEY_BASE: above any Trainer key
+
+class KVStoreTransport : public Transport {
+ public:
+  StoreLock lock;
+
+  KVStoreTransport(void* handle, int rank_, int workers_, const std::string& name_)
+      : handle_(handle) {
+    rank = rank_;
+    workers = workers_;
+    name = name_;
+  }
+
+  // From a finalizer, which may run inside a wrapped store call on the thread
+  // holding `lock`: so not under it.
+  void close(const std::string& why) override {
+    std::lock_guard<std::mutex> guard(closed_mutex_);
+    closed_ = why;
+  }
+
+ protected:
+  // MXKVStoreInit: rank 0 pushes the zeros and waits, then ps-lite's barrier.
+  bool init_key(int slot, int dir, NDArrayHandle buffer, std::string* error) override {
+    const int key = kKeyBase + 2 * slot + dir;
+    const std::string closed = closed_reason();
+    if (!closed.empty()) {
+      *error = closed;
+      return false;
+    }
+    lock.acquire();
+    const int rc = MXKVStoreInit(handle_, 1, &key, &buffer);
+    if (rc != 0) *error = last_mxnet_error();
+    lock.release();
+    return rc == 0;
+  }
+
+  void reduce(int slot, int dir, NDArrayHandle buffer, std::function<void()> then,
+              std::function<void(const std::string&)> failed) override {
+    const int key = kKeyBase + 2 * slot + dir;
+    lock.run_or_queue([this, key, buffer, then, failed]() {
+      NDArrayHandle b = buffer;
+      const std::string closed = closed_reason();
+      if (!closed.empty()) return failed(closed);
+      if (MXKVStorePushPull(handle_, 1, &key, 1, &key, &b, &b, 0) != 0)
+        return failed(last_mxnet_error());
+      then();
+    });
+  }
+
+ private:
+  std::string closed_reason() {
+    std::lock_guard<std::mutex> guard(closed_mutex_);
+    return closed_;
+  }
+  void* handle_;
+  std::mutex closed_mutex_;
+  std::string closed_;
+};
+
+// ---------------------------------------------------------------- horovod --
+// horovod/mxnet/mpi_ops.cc (0.28): pushes an engine operation that hands the
+// tensor to Horovod's background thread; failures land on the buffer.
+typedef int (*HorovodAllreduce)(NDArrayHandle const* in, NDArrayHandle const* out,
+                                const char* name, int reduce_op, int priority, double prescale,
+                                double postscale, int num_tensors, int process_set_id);
+
+class HorovodTransport : public Transport {
+ public:
+  HorovodTransport(void* allreduce, int sum_op, int rank_, int workers_)
+      : allreduce_(reinterpret_cast<HorovodAllreduce>(allreduce)), sum_op_(sum_op) {
+    rank = rank_;
+    workers = workers_;
+    name = "horovod";
+    read_property_ = kNoSkip;
+  }
+
+ protected:
+  void reduce(int slot, int dir, NDArrayHandle buffer, std::function<void()> then,
+              std::function<void(const std::string&)> failed) override {
+    // Names must match across workers and never be in flight twice: one per key.
+    const std::string key = "gluon_syncbn." + std::to_string(slot) + (dir ? ".bwd" : ".fwd");
+    if (allreduce_(&buffer, &buffer, key.c_str(), sum_op_, 0, 1.0, 1.0, 1, 0) != 0)
+      return failed(last_mxnet_error());
+    then();
+  }
+
+ private:
+  HorovodAllreduce allreduce_;
+  int sum_op_;
+};
+
+// --------------------------------------------------------------- loopback --
+// For tests: `workers` workers of which the others send what `mode` says, as
+// an engine operation on the buffer like a real engine's:
+//   "same"     the others send this worker's payload (sum = workers x payload)
+//   "call"     ... with the call number one ahead (workers out of step)
+//   "scale"    the sum comes back scaled by 0.45 (an optimizer on the server)
+//   "never"    the reduction never completes
+//   "fail"     the reduction fails on the buffer (as Horovod reports errors)
+class LoopbackTransport : public Transport {
+ public:
+  LoopbackTransport(int workers_, const std::string& mode) : mode_(mode) {
+    workers = workers_;
+    name = "loopback";
+    read_property_ = kNoSkip;
+  }
+
+ protected:
+  struct Job {
+    LoopbackTransport* self;
+    NDArrayHandle buffer;
+  };
+  static void run(void*, void* on_complete, void* param) {
+    auto* job = static_cast<Job*>(param);
+    void* data = nullptr;
+    int ndim = 0;
+    const int64_t* dims = nullptr;
+    MXNDArrayGetData(job->buffer, &data);
+    MXNDArrayGetShapeEx64(job->buffer, &ndim, &dims);
+    const int64_t size = dims[0];
+    double* v = static_cast<double*>(data);
+    const std::string& mode = job->self->mode_;
+    const auto& complete = *static_cast<mxnet::engine::CallbackOnComplete*>(on_complete);
+    if (mode == "fail") return fail_operation(complete, "loopback: the reduction failed");
+    const double w = job->self->workers;
+    for (int64_t i = 0; i < size; ++i) v[i] *= w;
+    if (mode == "call") v[1] += 1;
+    if (mode == "scale")
+      for (int64_t i = 0; i < size; ++i) v[i] *= 0.45;
+    complete();
+  }
+  static void delete_job(void* param) { delete static_cast<Job*>(param); }
+
+  void reduce(int, int, NDArrayHandle buffer, std::function<void()> then,
+              std::function<void(const std::string&)> failed) override {
+    if (mode_ == "never") return;
+    if (MXEnginePushAsyncND(run, new Job{this, buffer}, delete_job, kCPU0, nullptr, 0, &buffer,
+                            1, nullptr, 0, "gluon_syncbn_loopback", false) != 0)
+      return failed(last_mxnet_error());
+    then();
+  }
+
+ private:
+  std::string mode_;
+};
+
+// ------------------------------------------------------------- registry --
+// Transports by id, for Python; never destroyed (engine operations and the
+// watchdog may use them while the process exits).
+std::mutex& g_transport_mutex = *new std::mutex();
+std::map<int, std::shared_ptr<Transport>>& g_transports =
+    *new std::map<int, std::shared_ptr<Transport>>();
+
+int add_transport(std::shared_ptr<Transport> t) {
+  std::lock_guard<std::mutex> lock(g_transport_mutex);
+  const int id = static_cast<int>(g_transports.size()) + 1;
+  g_transports[id] = std::move(t);
+  return id;
+}
+
+std::shared_ptr<Transport> find_transport(int id) {
+  std::lock_guard<std::mutex> lock(g_transport_mutex);
+  auto it = g_transports.find(id);
+  return it == g_transports.end() ? nullptr : it->second;
+}
+
+}  // namespace

@@ -1,0 +1,67 @@
+"""Cross-process transports inside one process, for tests.
+
+:class:`LoopbackTransport` plays ``workers`` workers of which the others send
+what ``mode`` says, for the native operators (its native twin,
+``native/transport.h``) and the Python operator alike:
+
+``same``   the others send this worker's payload: the global batch is this
+           process's batch ``workers`` times, whose statistics are the local
+           ones, so every result equals one process's;
+``call``   their call numbers are one ahead (workers out of step);
+``scale``  the sum comes back scaled by 0.45 (an optimizer on the server);
+``never``  the reduction never completes;
+``fail``   the engine reports an error on the reduction (as Horovod does).
+
+:func:`install` makes ``SyncBatchNorm(kvstore=None)`` use one, or a 'local'
+kvstore through the real ``MXKVStorePushPull`` chain (``'kvstore'``), so the
+one-process scenarios run through a cross-process transport. A failure there
+is fatal, as in a real job: such processes end after it.
+"""
+import threading
+
+import numpy as np
+
+from gluon_syncbn import block, transport
+
+
+class LoopbackTransport(transport._CrossProcessTransport):
+    name = 'loopback'
+
+    def __init__(self, workers=2, mode='same'):
+        self.rank, self.num_workers, self.mode = 0, workers, mode
+        super(LoopbackTransport, self).__init__()
+
+    def _make_native(self, lib):
+        return lib.gsbn_transport_loopback(self.num_workers, self.mode.encode(),
+                                           self.exit_grace)
+
+    def _init_slot(self, slot, forward_size, backward_size):
+        pass
+
+    def _start(self, slot, direction, vector):
+        if self.mode == 'never':
+            return threading.Event().wait
+        if self.mode == 'fail':
+            raise RuntimeError('loopback: the reduction failed')
+        total = vector * self.num_workers
+        if self.mode == 'call':
+            total[1] += 1
+        if self.mode == 'scale':
+            total *= 0.45
+        return lambda: np.array(total)
+
+
+def install(kind, **kwargs):
+    """From now on ``SyncBatchNorm(kvstore=None)`` (only) gets one shared
+    transport: ``'loopback'`` (``kwargs`` as :class:`LoopbackTransport`'s)
+    or ``'kvstore'`` (a 'local' kvstore, one worker). Returns it."""
+    if kind == 'loopback':
+        shared = LoopbackTransport(**kwargs)
+    else:
+        import mxnet as mx
+        store = mx.kv.create('local')
+        shared = transport.KVStoreTransport(store)
+        shared.store = store  # the transport holds it weakly
+    make = block.make_transport
+    block.make_transport = lambda kvstore: shared if kvstore is None else make(kvstore)
+    return shared

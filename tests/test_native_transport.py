@@ -1,0 +1,169 @@
+"""The cross-process rules through the native transports, in one process.
+
+``tests/loopback.py`` gives the layer a transport of two workers whose other
+worker sends what a mode says (its native twin for the native operators, its
+Python ``_start`` for the Python operator), or a 'local' kvstore through the
+real ``MXKVStorePushPull`` chain. A failure across processes is fatal, as in
+a real job, so every case runs in its own process, with a deadline. The real
+engines (dist kvstore, Horovod) run in test_multiprocess.py.
+"""
+import json
+import re
+import time
+
+import pytest
+
+from tests.conftest import PATH_OPERATOR, PATHS, _run, run_batch
+
+EXACT = 2e-6  # float32 against float64, as in the one-process tests
+
+# With mode 'same' the other worker holds a copy of this process's batch, so
+# the global statistics are this process's and every result must equal one
+# process's: output, gradients and running statistics against float64 maths
+# and nn.BatchNorm, and running statistics when the main thread runs ahead.
+EXACT_CASES = [
+    ('layer_vs_reference', dict(shape=[5, 3, 4, 4], sizes=[2, 3])),
+    ('layer_vs_reference', dict(shape=[6, 4, 3], sizes=[1, 5], hybridize=True)),
+    ('layer_vs_reference', dict(shape=[5, 3, 4, 4], sizes=[3, 2], hybridize='static')),
+    ('run_ahead', dict(hybridize=False)),
+    ('run_ahead', dict(hybridize=True)),
+    ('run_ahead', dict(hybridize='static')),
+]
+
+
+@pytest.mark.parametrize('transport,path', [
+    ('loopback', 'native'), ('loopback', 'native-device'), ('loopback', 'python'),
+    ('kvstore', 'native'), ('kvstore', 'native-device')])
+def test_exact_through_a_cross_process_transport(transport, path):
+    env = dict(PATHS[path], SCENARIO_TRANSPORT=transport)
+    results = run_batch(EXACT_CASES, timeout=240, env=env)
+    for i, (name, kwargs) in enumerate(EXACT_CASES):
+        r = results[i]
+        if isinstance(r, Exception):
+            raise r
+        assert r.pop('operator') == PATH_OPERATOR[path], (name, kwargs)
+        errors = {k: v for k, v in r.items() if k.startswith(('y', 'dx', 'dgamma', 'dbeta',
+                                                              'running'))}
+        bad = {k: v for k, v in errors.items() if not v < EXACT}
+        assert errors and not bad, (name, kwargs, bad)
+
+
+def test_engine_threads_queue_behind_a_trainer_using_the_store():
+    """The main thread uses the store (and holds its lock) while the layer's
+    reductions come from engine threads: they queue, nothing deadlocks."""
+    for hybridize in (False, True):
+        proc = _run(['store_shared_with_trainer', '{"hybridize": %s}'
+                     % str(hybridize).lower()], 120, dict(SCENARIO_TRANSPORT='kvstore'))
+        result = _result(proc)
+        assert result['operator'] == 'async'
+        assert result['queued'] > 0, result  # the queue was used
+        for name in ('main_thread_sums', 'running_mean', 'running_var'):
+            assert result[name] < EXACT, result
+
+
+def _result(proc):
+    for line in proc.stdout.splitlines():
+        if line.startswith('RESULT '):
+            return json.loads(line[len('RESULT '):])
+    raise AssertionError('no result (exit %d):\n%s' % (proc.returncode,
+                                                        (proc.stdout + proc.stderr)[-4000:]))
+
+
+# (mode, scenario, kwargs, what the error and the exit message say)
+FATAL_CASES = {
+    'out of step': ('call', 'layer_vs_reference', dict(shape=[4, 3, 2], sizes=[1, 3]),
+                    r"check numbers add up to \[6(\.0)?, 1(\.0)?\] instead of \[6(\.0)?, 0(\.0)?\]"
+                    r".*out of step"),
+    'optimizer': ('scale', 'layer_vs_reference', dict(shape=[4, 3, 2], sizes=[1, 3]),
+                  r'update_on_kvstore=False'),
+    'engine error': ('fail', 'layer_vs_reference', dict(shape=[4, 3, 2], sizes=[1, 3]),
+                     r'failed in loopback: no sum came back'),
+    # the other worker claims this one's devices (0, 1) instead of its own (2, 3)
+    'device numbering': ('same', 'one_step', dict(sync_groups=[[0, 2], [1, 3]]),
+                         r'disagree on the global device numbering.*\[0, 1, 2, 3\]'),
+    'local failure': ('same', 'bad_input_on_one_device', dict(problem='channels'),
+                      r'a SyncBatchNorm step failed on worker 0: .*channel'),
+}
+
+
+# Every case on the asynchronous operator; the GPU path shares its session,
+# and test_transport.py holds the Python transport's rules but for the
+# ownership check, which lives in registry.SyncGroup.reduce.
+@pytest.mark.parametrize('case,path', [(case, 'native') for case in sorted(FATAL_CASES)] + [
+    ('out of step', 'native-device'), ('device numbering', 'python')])
+def test_a_failed_reduction_is_an_error_then_ends_the_process(case, path):
+    mode, name, kwargs, expected = FATAL_CASES[case]
+    env = dict(PATHS[path], SCENARIO_TRANSPORT='loopback:' + mode)
+    proc = _run([name, json.dumps(kwargs)], 120, env)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 1, output[-4000:]
+    assert re.search(expected, output, re.S), output[-4000:]
+    assert re.search(r'gluon_syncbn: worker 0 exits after a failed cross-process reduction:',
+                     output), output[-4000:]
+
+
+def test_a_deleted_store_is_an_error_naming_the_fix():
+    proc = _run(['store_deleted', '{}'], 60, dict(PATHS['native'], SCENARIO_TRANSPORT='kvstore'))
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 1, output[-4000:]
+    assert "failed in kvstore 'local': the kvstore given as kvstore= was deleted; keep it " \
+           "alive while the network trains" in output, output[-4000:]
+
+
+@pytest.mark.parametrize('path', ['native', 'native-device'])
+def test_a_reduction_that_never_completes_times_out_within_the_timeout(path):
+    env = dict(PATHS[path], SCENARIO_TRANSPORT='loopback:never', GLUON_SYNCBN_TIMEOUT='0.5')
+    start = time.monotonic()
+    proc = _run(['layer_vs_reference', '{"shape": [4, 3, 2], "sizes": [1, 3]}'], 60, env)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 1, output[-4000:]
+    assert ("worker 0 of 2 waited 0.5s for the other workers at the fwd reduction #0 of "
+            "layer 'syncbatchnorm0' (slot 0) (loopback)") in output, output[-4000:]
+    assert time.monotonic() - start < 30
+
+
+def test_a_process_that_lingers_after_a_failure_ends_after_the_grace_period():
+    env = dict(PATHS['native'], SCENARIO_TRANSPORT='loopback:call', GLUON_SYNCBN_EXIT_GRACE='2')
+    start = time.monotonic()
+    proc = _run(['fail_then_linger', '{"seconds": 60}'], 60, env)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 1, output[-4000:]
+    assert 'caught: ' in output and 'out of step' in output, output[-4000:]
+    assert 'gluon_syncbn: worker 0 did not exit within 2s of a failed cross-process ' \
+           'reduction' in output, output[-4000:]
+    assert time.monotonic() - start < 40  # not the 60 s the scenario sleeps
+
+
+HOROVOD_VERSION_GATE = """
+import warnings
+warnings.simplefilter('always')
+import horovod
+horovod.__version__ = '%s'
+from gluon_syncbn import native, transport
+t = transport.HorovodTransport()
+print('TWIN', t.make_native(native.load()))
+print('WHY', t.why_python)
+"""
+
+
+@pytest.mark.parametrize('version,native', [('0.28.1', True), ('0.27.0', False)])
+def test_only_a_known_horovod_gets_the_native_transport(version, native):
+    import importlib.util
+    if importlib.util.find_spec('horovod') is None:
+        pytest.skip('Horovod is not installed here (test_multiprocess.py says how)')
+    import os
+    import subprocess
+    import sys
+    from tests.conftest import ROOT
+    proc = subprocess.run([sys.executable, '-c', HOROVOD_VERSION_GATE % version], cwd=ROOT,
+                          env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True,
+                          text=True, timeout=120)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    if native:
+        assert re.search(r'TWIN \d+', out) and 'WHY \n' in out, out[-3000:]
+    else:
+        assert 'TWIN None' in out, out[-3000:]
+        assert 'WHY Horovod 0.27.0: the native transport calls horovod_mxnet_allreduce_async' \
+            in out, out[-3000:]
+        assert out.count('RuntimeWarning: gluon_syncbn: Horovod 0.27.0') == 1, out[-3000:]
