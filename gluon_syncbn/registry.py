@@ -167,9 +167,9 @@ class Session(object):
         its error, and with it that of every array the same failed operator
         poisoned: MXNet shares one error object among them
         (``threaded_engine.cc``, ``OnComplete``, ``ThrowException``), so the
-        static arrays of cached graphs are clean too. Called on the main thread before a network's calls are
-        issued (by the block, and for cached graphs by hooks); the aborted calls
-        finish at once, so the wait is short.
+        static arrays of cached graphs are clean too. Called on the main thread
+        before a network's calls are issued (by the block, and for cached
+        graphs by hooks); the aborted calls finish at once, so the wait is short.
         """
         token = self.token()
         if token == self._cleared_token:

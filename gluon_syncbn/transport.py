@@ -210,13 +210,12 @@ class _CrossProcessTransport(object):
         ps-lite's finalize barrier at exit) would wait forever for operations and
         workers that are gone.
         """
-        message = 'gluon_syncbn: worker %d %%s a failed cross-process reduction: %s' % (
-            self.rank, exc)
-        atexit.register(_end_process, message % 'exits after')
+        atexit.register(_end_process, _EXIT_MESSAGE % (self.rank, 'exits after', exc))
 
         def end_later():
             time.sleep(self.exit_grace)
-            _end_process(message % ('did not exit within %gs of' % self.exit_grace))
+            _end_process(_EXIT_MESSAGE % (self.rank, 'did not exit within %gs of'
+                                          % self.exit_grace, exc))
         threading.Thread(target=end_later, name='gluon_syncbn-exit', daemon=True).start()
 
     def fail_on_abort(self, cause):
@@ -227,11 +226,15 @@ class _CrossProcessTransport(object):
                                            % (self.rank, cause)))
 
 
+# How a worker says it ends after a fatal failure; native/session.h's
+# fatal_locked prints the "did not exit within" form too.
+_EXIT_MESSAGE = 'gluon_syncbn: worker %d %s a failed cross-process reduction: %s'
+
+
 def _exit_if_broken(lib, rank):
     buf = ctypes.create_string_buffer(1 << 14)
     if lib.gsbn_broken(buf, len(buf)):
-        _end_process('gluon_syncbn: worker %d exits after a failed cross-process reduction: %s'
-                     % (rank, buf.value.decode('utf-8', 'replace')))
+        _end_process(_EXIT_MESSAGE % (rank, 'exits after', buf.value.decode('utf-8', 'replace')))
 
 
 def _end_process(message):

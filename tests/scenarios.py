@@ -1096,13 +1096,19 @@ def one_step(sizes=(1, 3), **layer_kwargs):
 def store_deleted():
     """Under ``SCENARIO_TRANSPORT=kvstore``: a step, then the user drops the
     store the layer reduces through, then another step."""
-    import gc
     from gluon_syncbn import block
     transport = block.make_transport(None)
-    one_step()
-    del transport.store
-    gc.collect()
-    return one_step()
+    ctxs = contexts(2)
+    bn = SyncBatchNorm(in_channels=3)
+    bn.initialize(ctx=ctxs)
+    for step in range(2):
+        if step:
+            del transport.store  # its last reference: destroyed now
+        with autograd.record():
+            ys = [bn(mx.nd.ones((2, 3, 2, 2), ctx=c)) for c in ctxs]
+        autograd.backward(ys)
+        mx.nd.waitall()
+    return {}
 
 
 @scenario

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from tests.conftest import PATH_OPERATOR, PATHS, _run, run_batch
+from tests.conftest import PATH_OPERATOR, PATHS, _run, run_batch, run_scenario
 
 EXACT = 2e-6  # float32 against float64, as in the one-process tests
 
@@ -52,21 +52,12 @@ def test_engine_threads_queue_behind_a_trainer_using_the_store():
     """The main thread uses the store (and holds its lock) while the layer's
     reductions come from engine threads: they queue, nothing deadlocks."""
     for hybridize in (False, True):
-        proc = _run(['store_shared_with_trainer', '{"hybridize": %s}'
-                     % str(hybridize).lower()], 120, dict(SCENARIO_TRANSPORT='kvstore'))
-        result = _result(proc)
+        result = run_scenario('store_shared_with_trainer', env=dict(SCENARIO_TRANSPORT='kvstore'),
+                              hybridize=hybridize)
         assert result['operator'] == 'async'
         assert result['queued'] > 0, result  # the queue was used
         for name in ('main_thread_sums', 'running_mean', 'running_var'):
             assert result[name] < EXACT, result
-
-
-def _result(proc):
-    for line in proc.stdout.splitlines():
-        if line.startswith('RESULT '):
-            return json.loads(line[len('RESULT '):])
-    raise AssertionError('no result (exit %d):\n%s' % (proc.returncode,
-                                                        (proc.stdout + proc.stderr)[-4000:]))
 
 
 # (mode, scenario, kwargs, what the error and the exit message say)

@@ -9,6 +9,7 @@
 #pragma once
 #include <mxnet/c_api.h>
 
+#include <array>
 #include <chrono>
 #include <cmath>
 #include <condition_variable>
@@ -235,14 +236,19 @@ void release_locked(Group& g, const Key& key, const std::shared_ptr<Exchange>& e
   }
 }
 
+// When a wait of the group's timeout that starts now ends.
+std::chrono::steady_clock::time_point deadline_of(const Group& g) {
+  return std::chrono::steady_clock::now() +
+         std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+             std::chrono::duration<double>(g.timeout));
+}
+
 // The exchange of `key`, created by its first device (lock held).
 std::shared_ptr<Exchange> slot_locked(Group& g, const Key& key) {
   auto& slot = g.exchanges[key];
   if (!slot) {
     slot = std::make_shared<Exchange>(std::get<1>(key), static_cast<int>(g.devices.size()));
-    slot->deadline = std::chrono::steady_clock::now() +
-                     std::chrono::duration_cast<std::chrono::steady_clock::duration>(
-                         std::chrono::duration<double>(g.timeout));
+    slot->deadline = deadline_of(g);
   }
   return slot;
 }
@@ -312,6 +318,20 @@ std::string slot_name(const Group& g) {
 
 const char* direction_name(const Key& key) { return std::get<0>(key) == 0 ? "fwd" : "bwd"; }
 
+// This worker's check numbers for a reduction of vectors of `size`:
+// (channels, call number).
+std::array<double, 2> own_checks(const Key& key, size_t size) {
+  return {static_cast<double>(std::get<0>(key) == 0 ? forward_channels(size)
+                                                    : backward_channels(size)),
+          static_cast<double>(std::get<2>(key))};
+}
+
+std::string reduction_failed(const Group& g, const Key& key, const std::string& why) {
+  return "SyncBatchNorm: the " + std::string(direction_name(key)) + " reduction of layer " +
+         slot_name(g) + " failed in " + g.transport->name + ": " + why +
+         ". Another worker probably died; see its log.";
+}
+
 std::string broken_message(const Group& g) {
   return "SyncBatchNorm: cross-process synchronization was lost earlier and cannot resume "
          "(pending " + g.transport->name + " reductions cannot be cancelled): " + g_broken;
@@ -340,16 +360,12 @@ std::string start_remote_locked(Group& g, const Key& key, const std::shared_ptr<
            "first call was not issued from the main thread; this is a bug in gluon_syncbn, "
            "please report it.";
   const int dir = std::get<0>(key);
-  const size_t size = ex->values[0].size();
-  std::vector<double> payload = {
-      static_cast<double>(dir == 0 ? forward_channels(size) : backward_channels(size)),
-      static_cast<double>(std::get<2>(key))};
+  const std::array<double, 2> checks = own_checks(key, ex->values[0].size());
+  std::vector<double> payload(checks.begin(), checks.end());
   payload.insert(payload.end(), ex->result.begin(), ex->result.end());
   payload.insert(payload.end(), g.ownership.begin(), g.ownership.end());
   ex->remote = true;
-  ex->deadline = std::chrono::steady_clock::now() +
-                 std::chrono::duration_cast<std::chrono::steady_clock::duration>(
-                     std::chrono::duration<double>(g.timeout));
+  ex->deadline = deadline_of(g);
   if (ex->deadline < g_watchdog_wake) g_watchdog_cv.notify_all();
   std::shared_ptr<Group> group = g.shared_from_this();
   std::shared_ptr<Transport> transport = g.transport;
@@ -370,10 +386,7 @@ std::string check_remote_locked(const Group& g, const Key& key, Exchange& ex,
                                 const std::vector<double>& total) {
   const Transport& t = *g.transport;
   const size_t size = ex.values[0].size(), rows = g.num_subgroups * size;
-  const double own[2] = {
-      static_cast<double>(std::get<0>(key) == 0 ? forward_channels(size)
-                                                : backward_channels(size)),
-      static_cast<double>(std::get<2>(key))};
+  const std::array<double, 2> own = own_checks(key, size);
   const double expected[2] = {own[0] * t.workers, own[1] * t.workers};
   if (total.size() != kChecks + rows + g.ownership.size())
     return "SyncBatchNorm: the " + std::string(direction_name(key)) + " reduction of layer " +
@@ -382,9 +395,7 @@ std::string check_remote_locked(const Group& g, const Key& key, Exchange& ex,
            std::to_string(kChecks + rows + g.ownership.size()) + "; this is a bug in "
            "gluon_syncbn, please report it.";
   if (t.workers > 1 && total[0] == own[0] && total[1] == own[1])
-    return "SyncBatchNorm: the " + std::string(direction_name(key)) + " reduction of layer " +
-           slot_name(g) + " failed in " + t.name + ": no sum came back (the engine reported "
-           "an error on it). Another worker probably died; see its log.";
+    return reduction_failed(g, key, "no sum came back (the engine reported an error on it)");
   if (total[0] != expected[0] || total[1] != expected[1]) {
     const std::string where =
         "SyncBatchNorm: at the " + std::string(direction_name(key)) + " reduction of layer " +
@@ -422,12 +433,8 @@ void complete_remote(const std::shared_ptr<Group>& g, const Key& key,
   {
     std::lock_guard<std::mutex> lock(g_mutex);
     if (ex->done || !ex->error.empty()) return;
-    const std::string failure =
-        !error.empty()
-            ? "SyncBatchNorm: the " + std::string(direction_name(key)) + " reduction of layer " +
-                  slot_name(*g) + " failed in " + g->transport->name + ": " + error +
-                  ". Another worker probably died; see its log."
-            : check_remote_locked(*g, key, *ex, total);
+    const std::string failure = !error.empty() ? reduction_failed(*g, key, error)
+                                               : check_remote_locked(*g, key, *ex, total);
     if (failure.empty()) {
       ex->done = true;
       dispatch_locked(*g, key, ex);

@@ -139,18 +139,18 @@ void gsbn_transport_close(int transport, const char* why) {
 // store's methods (transport.py): acquire may wait (ctypes releases the GIL);
 // release first issues what engine threads queued meanwhile.
 void gsbn_store_acquire(int transport) {
-  auto t = std::dynamic_pointer_cast<KVStoreTransport>(find_transport(transport));
+  auto t = find_kvstore(transport);
   if (t) t->lock.acquire();
 }
 
 void gsbn_store_release(int transport) {
-  auto t = std::dynamic_pointer_cast<KVStoreTransport>(find_transport(transport));
+  auto t = find_kvstore(transport);
   if (t) t->lock.release();
 }
 
 // How many reductions engine threads left to the holder of the store lock.
 int64_t gsbn_store_queued(int transport) {
-  auto t = std::dynamic_pointer_cast<KVStoreTransport>(find_transport(transport));
+  auto t = find_kvstore(transport);
   return t ? t->lock.queued() : -1;
 }
 

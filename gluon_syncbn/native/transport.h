@@ -114,7 +114,7 @@ class Transport {
                   std::to_string(b.size), {});
     std::memcpy(b.data, payload.data(), b.size * sizeof(double));
     auto* r = new Reduction{b, std::move(done)};
-    reduce(slot, dir, b.array, [r, this]() {
+    reduce(slot, dir, b, [r, this]() {
       NDArrayHandle array = r->buffer.array;
       if (MXEnginePushSyncND(read_buffer, r, delete_reduction, kCPU0, &array, 1, nullptr, 0,
                              &read_property_, 0, "gluon_syncbn_remote_sum") != 0) {
@@ -141,7 +141,7 @@ class Transport {
   }
   // Pushes the reduction of `buffer` in place, then calls `then` (which
   // pushes the reading operation after it); or calls `failed`.
-  virtual void reduce(int slot, int dir, NDArrayHandle buffer, std::function<void()> then,
+  virtual void reduce(int slot, int dir, const Buffer& buffer, std::function<void()> then,
                       std::function<void(const std::string&)> failed) = 0;
 
  private:
@@ -243,11 +243,12 @@ class KVStoreTransport : public Transport {
     return rc == 0;
   }
 
-  void reduce(int slot, int dir, NDArrayHandle buffer, std::function<void()> then,
+  void reduce(int slot, int dir, const Buffer& buffer, std::function<void()> then,
               std::function<void(const std::string&)> failed) override {
     const int key = kKeyBase + 2 * slot + dir;
-    lock.run_or_queue([this, key, buffer, then, failed]() {
-      NDArrayHandle b = buffer;
+    NDArrayHandle array = buffer.array;
+    lock.run_or_queue([this, key, array, then, failed]() {
+      NDArrayHandle b = array;
       const std::string closed = closed_reason();
       if (!closed.empty()) return failed(closed);
       if (MXKVStorePushPull(handle_, 1, &key, 1, &key, &b, &b, 0) != 0)
@@ -284,11 +285,12 @@ class HorovodTransport : public Transport {
   }
 
  protected:
-  void reduce(int slot, int dir, NDArrayHandle buffer, std::function<void()> then,
+  void reduce(int slot, int dir, const Buffer& buffer, std::function<void()> then,
               std::function<void(const std::string&)> failed) override {
     // Names must match across workers and never be in flight twice: one per key.
     const std::string key = "gluon_syncbn." + std::to_string(slot) + (dir ? ".bwd" : ".fwd");
-    if (allreduce_(&buffer, &buffer, key.c_str(), sum_op_, 0, 1.0, 1.0, 1, 0) != 0)
+    NDArrayHandle array = buffer.array;
+    if (allreduce_(&array, &array, key.c_str(), sum_op_, 0, 1.0, 1.0, 1, 0) != 0)
       return failed(last_mxnet_error());
     then();
   }
@@ -317,33 +319,29 @@ class LoopbackTransport : public Transport {
  protected:
   struct Job {
     LoopbackTransport* self;
-    NDArrayHandle buffer;
+    Buffer buffer;
   };
   static void run(void*, void* on_complete, void* param) {
     auto* job = static_cast<Job*>(param);
-    void* data = nullptr;
-    int ndim = 0;
-    const int64_t* dims = nullptr;
-    MXNDArrayGetData(job->buffer, &data);
-    MXNDArrayGetShapeEx64(job->buffer, &ndim, &dims);
-    const int64_t size = dims[0];
-    double* v = static_cast<double*>(data);
+    double* v = job->buffer.data;
+    const size_t size = job->buffer.size;
     const std::string& mode = job->self->mode_;
     const auto& complete = *static_cast<mxnet::engine::CallbackOnComplete*>(on_complete);
     if (mode == "fail") return fail_operation(complete, "loopback: the reduction failed");
     const double w = job->self->workers;
-    for (int64_t i = 0; i < size; ++i) v[i] *= w;
+    for (size_t i = 0; i < size; ++i) v[i] *= w;
     if (mode == "call") v[1] += 1;
     if (mode == "scale")
-      for (int64_t i = 0; i < size; ++i) v[i] *= 0.45;
+      for (size_t i = 0; i < size; ++i) v[i] *= 0.45;
     complete();
   }
   static void delete_job(void* param) { delete static_cast<Job*>(param); }
 
-  void reduce(int, int, NDArrayHandle buffer, std::function<void()> then,
+  void reduce(int, int, const Buffer& buffer, std::function<void()> then,
               std::function<void(const std::string&)> failed) override {
     if (mode_ == "never") return;
-    if (MXEnginePushAsyncND(run, new Job{this, buffer}, delete_job, kCPU0, nullptr, 0, &buffer,
+    NDArrayHandle array = buffer.array;
+    if (MXEnginePushAsyncND(run, new Job{this, buffer}, delete_job, kCPU0, nullptr, 0, &array,
                             1, nullptr, 0, "gluon_syncbn_loopback", false) != 0)
       return failed(last_mxnet_error());
     then();
@@ -371,6 +369,10 @@ std::shared_ptr<Transport> find_transport(int id) {
   std::lock_guard<std::mutex> lock(g_transport_mutex);
   auto it = g_transports.find(id);
   return it == g_transports.end() ? nullptr : it->second;
+}
+
+std::shared_ptr<KVStoreTransport> find_kvstore(int id) {
+  return std::dynamic_pointer_cast<KVStoreTransport>(find_transport(id));
 }
 
 }  // namespace
