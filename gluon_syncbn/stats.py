@@ -22,7 +22,8 @@ about ``1e-16 * mean**2 / var`` relative.
 Backward needs the global sums of ``dy`` and ``dy * (x - mean)`` (one
 all-reduce of ``2*C`` numbers), those of the textbook formula.
 
-The vectors' layouts are :mod:`gluon_syncbn.wire`'s.
+The vectors' layouts are :mod:`gluon_syncbn.wire`'s. ``native/stats.h`` has
+these functions under the same names for the native operators.
 
 All functions take and return 1-D float64 arrays of length ``C`` (channels).
 """

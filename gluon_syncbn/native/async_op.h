@@ -11,7 +11,7 @@
 //   backward: dy, x, gamma -> dx, d gamma, d beta
 //             BACKWARD exchange of call #k (its statistics kept in the state)
 //
-// The maths are maths.h's (whole calls in host memory), in float64 on
+// The maths are stats.h's (whole calls in host memory), in float64 on
 // arrays read and written as the dtypes they have (float16, bfloat16,
 // float32, float64: arrays.h), so no Cast surrounds the operator. MKL-DNN
 // inputs are reordered into arrays the call holds until it completes.
@@ -20,7 +20,7 @@
 // statistics its forward left in the state.
 #pragma once
 #include "mxnet_abi.h"
-#include "maths.h"
+#include "stats.h"
 #include "operator.h"
 
 #include <array>
@@ -178,8 +178,7 @@ struct BackwardCall : Call {
 // After the forward exchange: the running statistics and y.
 void finish_forward(const ForwardCall& c, const std::vector<double>& total) {
   const Params& p = c.state->op.params;
-  Info stats;
-  unpack_forward(total, &stats.n, &stats.mean, &stats.var);
+  Info stats = merge(total);
   stats.token = static_cast<double>(c.token);
   stats.call = static_cast<double>(c.call);
   update_running(p, c.rmean, c.rvar, stats);  // mutable inputs: ours to write

@@ -15,7 +15,7 @@
 // the staging array, so it runs once the copy has completed; that operation
 // hands the host vector to exchange_async (session.h). Each device's
 // continuation, on its own cpu(dev_id) worker, computes scale and shift
-// (maths.h's per-channel part), writes them to host staging, CopyFromTo's
+// (stats.h's per-channel part), writes them to host staging, CopyFromTo's
 // them into a fresh-variable view of the output, queues the running
 // statistics' read-modify-write with MXNet's operators, and a last engine
 // operation reading the output's view (and the running statistics' views)
@@ -46,7 +46,7 @@
 
 #include "mxnet_abi.h"
 #include "async_op.h"
-#include "maths.h"
+#include "stats.h"
 
 namespace {
 
@@ -337,7 +337,7 @@ void exchange_op_forward(const mxnet::OpStatePtr& state_ptr, const mxnet::OpCont
     std::string error;
     try {
       std::vector<double> scale, shift;
-      scale_shift(p, stats, m1, gamma, beta, &scale, &shift);
+      normalize_coefficients(p, stats, m1, gamma, beta, &scale, &shift);
       Array h = host_array(out_host);
       for (int64_t c = 0; c < C; ++c) {
         put(h, c, scale[c], 1);
@@ -379,15 +379,12 @@ void exchange_op_forward(const mxnet::OpStatePtr& state_ptr, const mxnet::OpCont
         s->stats = stats;
         return finish(m1, gamma, beta, stats);
       }
-      std::vector<double> mean, var;
-      device_moments(m1, m2, v, &mean, &var);
       const std::thread::id issuer = std::this_thread::get_id();
-      exchange_async(*gp, Key(0, token, call), op.device, pack_forward(count, mean, var),
-                     p.dtype_name,
+      exchange_async(*gp, Key(0, token, call), op.device,
+                     forward_contribution(count, m1, m2, v), p.dtype_name,
                      [=](const std::string& error, const std::vector<double>& total) {
         if (!error.empty()) return complete(on_complete, error);
-        Info stats;
-        unpack_forward(total, &stats.n, &stats.mean, &stats.var);
+        Info stats = merge(total);
         stats.token = static_cast<double>(token);
         stats.call = static_cast<double>(call);
         s->stats = stats;
@@ -446,18 +443,18 @@ void exchange_op_backward(const mxnet::OpStatePtr& state_ptr, const mxnet::OpCon
     try {
       std::vector<double> d_scale = read_host(dy_host, 0, C),
                           d_shift = read_host(dy_host, C, 2 * C);
-      std::vector<double> g_ = gamma, inv_std, sum_dy_xc, d_gamma;
-      backward_local(p, stats, m1, count, &g_, &d_scale, &d_shift, &inv_std, &sum_dy_xc,
-                     &d_gamma);
+      std::vector<double> g_ = gamma, inv_std, d_gamma;
+      std::vector<double> contribution = backward_contribution(
+          p, stats, m1, count, &g_, &d_scale, &d_shift, &inv_std, &d_gamma);
       exchange_async(*gp, Key(1, static_cast<uint64_t>(stats.token),
                             static_cast<int64_t>(stats.call)),
-                     op.device, pack_backward(d_shift, sum_dy_xc), p.dtype_name,
+                     op.device, contribution, p.dtype_name,
                      [=](const std::string& error, const std::vector<double>& total) {
         if (!error.empty()) return complete(on_complete, error);
         if (!write) return complete(on_complete, "");
         NoBulk no_bulk;
         std::vector<double> d_m2, d_v;
-        backward_moments(stats, m1, g_, inv_std, total, count, &d_m2, &d_v);
+        local_moment_grads(total, count, stats, m1, g_, inv_std, &d_m2, &d_v);
         Array h = host_array(gin_host);
         for (int64_t c = 0; c < C; ++c) {
           put(h, c, 0.0, 1);  // m1: a constant

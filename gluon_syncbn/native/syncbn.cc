@@ -16,7 +16,8 @@
 //                 fails at once with the cause, and the cause is queued for
 //                 Python (gsbn_take_errors). Python's Session calls gsbn_abort
 //                 for failures it sees first. One token, one path.
-//   maths.h       the maths in float64: whole calls, and per-channel vectors.
+//   stats.h       the maths in float64: whole calls, and per-channel vectors
+//                 (gluon_syncbn/stats.py's functions, same names).
 //   wire.h        the exchanged vectors' layouts (gluon_syncbn/wire.py's).
 //   arrays.h      reading and writing host arrays as the dtypes they have.
 //   operator.h    arguments and instances of the two operators.

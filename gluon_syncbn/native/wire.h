@@ -20,16 +20,16 @@ std::vector<double> pack_forward(double count, const std::vector<double>& mean,
   return v;
 }
 
-// The global n, mean and (biased) variance from a summed FORWARD vector.
+// (n, sum x / n, sum x^2 / n) from a summed FORWARD vector.
 void unpack_forward(const std::vector<double>& total, double* n, std::vector<double>* mean,
-                    std::vector<double>* var) {
+                    std::vector<double>* mean_sq) {
   const size_t C = (total.size() - 1) / 2;
   *n = total[0];
   mean->resize(C);
-  var->resize(C);
+  mean_sq->resize(C);
   for (size_t c = 0; c < C; ++c) {
     (*mean)[c] = total[1 + c] / *n;
-    (*var)[c] = std::max(total[1 + C + c] / *n - (*mean)[c] * (*mean)[c], 0.0);
+    (*mean_sq)[c] = total[1 + C + c] / *n;
   }
 }
 

@@ -1,8 +1,9 @@
-// The maths of SyncBatchNorm in float64, in two parts: a whole layer call on
-// arrays in host memory (the asynchronous operator, async_op.h), and the
-// synchronization step on per-channel vectors, whose local moments MXNet's
-// operators computed on the device (the exchange operator, exchange_op.h).
-// What crosses devices is only the vectors of wire.h.
+// The statistics of SyncBatchNorm in float64, in two parts: a whole layer
+// call on arrays in host memory (the asynchronous operator, async_op.h), and
+// the synchronization step on per-channel vectors, whose local moments
+// MXNet's operators computed on the device (the exchange operator,
+// exchange_op.h): the C++ twin of gluon_syncbn/stats.py, function for
+// function. What crosses devices is only the vectors of wire.h.
 #pragma once
 #include <algorithm>
 #include <cmath>
@@ -104,68 +105,87 @@ void write_gradients(const Params& p, const Layout& l, const Array& dy, const Ar
 }
 
 // ------------------------------------------------- per-channel vectors --
-// The exchange operator's: the block hands over, per channel, m1 (the
-// centre: a float32 estimate of the mean), m2 (mean of x - m1) and v (mean of
-// (x - m1)^2), computed on the device.
+// The exchange operator's, and gluon_syncbn/stats.py's functions under the
+// same names and with the same maths (stats.py documents them). The block
+// hands over, per channel, m1 (the centre: a float32 estimate of the mean),
+// m2 (mean of x - m1) and v (mean of (x - m1)^2), computed on the device.
 
-// This device's mean and variance from the block's moments m1, m2 and v.
-void device_moments(const std::vector<double>& m1, const std::vector<double>& m2,
-                    const std::vector<double>& v, std::vector<double>* mean,
-                    std::vector<double>* var) {
+// The FORWARD vector this device adds to the sum.
+std::vector<double> forward_contribution(double count, const std::vector<double>& m1,
+                                         const std::vector<double>& m2,
+                                         const std::vector<double>& v) {
   const size_t C = m1.size();
-  mean->assign(C, 0.0);
-  var->assign(C, 0.0);
+  std::vector<double> mean(C), var(C);
   for (size_t c = 0; c < C; ++c) {
-    (*mean)[c] = m1[c] + m2[c];
-    (*var)[c] = std::max(v[c] - m2[c] * m2[c], 0.0);
+    mean[c] = m1[c] + m2[c];
+    var[c] = std::max(v[c] - m2[c] * m2[c], 0.0);
   }
+  return pack_forward(count, mean, var);
 }
 
-// The scale and shift that normalize x - m1 with the group's statistics.
-void scale_shift(const Params& p, const Info& stats, const std::vector<double>& m1,
-                 const std::vector<double>& gamma, const std::vector<double>& beta,
-                 std::vector<double>* scale, std::vector<double>* shift) {
+// The global n, mean and (biased) variance from the summed FORWARD vectors;
+// the caller has checked that n > 0 (session.h, own_checks).
+Info merge(const std::vector<double>& total) {
+  Info stats;
+  std::vector<double> mean_sq;
+  unpack_forward(total, &stats.n, &stats.mean, &mean_sq);
+  stats.var.resize(stats.mean.size());
+  for (size_t c = 0; c < stats.mean.size(); ++c)
+    stats.var[c] = std::max(mean_sq[c] - stats.mean[c] * stats.mean[c], 0.0);
+  return stats;
+}
+
+// y = (x - m1) * scale + shift with the global statistics; shift absorbs
+// mean - m1, so the large offset never meets the data again. gamma is 1
+// under fix_gamma.
+void normalize_coefficients(const Params& p, const Info& stats, const std::vector<double>& m1,
+                            const std::vector<double>& gamma, const std::vector<double>& beta,
+                            std::vector<double>* scale, std::vector<double>* shift) {
   const size_t C = m1.size();
   scale->assign(C, 0.0);
   shift->assign(C, 0.0);
   for (size_t c = 0; c < C; ++c) {
     double inv_std = 1.0 / std::sqrt(stats.var[c] + p.eps);
     (*scale)[c] = (p.fix_gamma ? 1.0 : gamma[c]) * inv_std;
-    // Centred on m1: the large offset never meets the data again.
     (*shift)[c] = beta[c] - (stats.mean[c] - m1[c]) * (*scale)[c];
   }
 }
 
-// Backward, before the exchange: from d scale and d shift, this device's
-// sum dy*(x - mean) and d gamma (gamma becomes 1 under fix_gamma; d beta is
-// d shift). An empty slice adds nothing (MXNet leaves reductions over size-0
-// arrays unwritten: its d scale, d shift are not even zeros).
-void backward_local(const Params& p, const Info& stats, const std::vector<double>& m1,
-                    double count, std::vector<double>* gamma, std::vector<double>* d_scale,
-                    std::vector<double>* d_shift, std::vector<double>* inv_std,
-                    std::vector<double>* sum_dy_xc, std::vector<double>* d_gamma) {
+// This device's BACKWARD vector, from the gradients of scale and shift
+// (sums of dy*(x - m1) and dy), and its d gamma (d beta is d shift); gamma
+// becomes 1 under fix_gamma. An empty slice adds nothing (MXNet leaves
+// reductions over size-0 arrays unwritten: its d scale, d shift are not even
+// zeros).
+std::vector<double> backward_contribution(const Params& p, const Info& stats,
+                                          const std::vector<double>& m1, double count,
+                                          std::vector<double>* gamma,
+                                          std::vector<double>* d_scale,
+                                          std::vector<double>* d_shift,
+                                          std::vector<double>* inv_std,
+                                          std::vector<double>* d_gamma) {
   const size_t C = m1.size();
   if (count == 0) {
     d_scale->assign(C, 0.0);
     d_shift->assign(C, 0.0);
   }
+  std::vector<double> sum_dy_xc(C);
   inv_std->assign(C, 0.0);
-  sum_dy_xc->assign(C, 0.0);
   d_gamma->assign(C, 0.0);
   for (size_t c = 0; c < C; ++c) {
     if (p.fix_gamma) (*gamma)[c] = 1.0;
     (*inv_std)[c] = 1.0 / std::sqrt(stats.var[c] + p.eps);
-    (*sum_dy_xc)[c] = (*d_scale)[c] - (*d_shift)[c] * (stats.mean[c] - m1[c]);
-    (*d_gamma)[c] = p.fix_gamma ? 0.0 : (*sum_dy_xc)[c] * (*inv_std)[c];
+    sum_dy_xc[c] = (*d_scale)[c] - (*d_shift)[c] * (stats.mean[c] - m1[c]);
+    (*d_gamma)[c] = p.fix_gamma ? 0.0 : sum_dy_xc[c] * (*inv_std)[c];
   }
+  return pack_backward(*d_shift, sum_dy_xc);
 }
 
-// Backward, after the exchange (`total`: the group's BACKWARD sums): through
-// the global mean and variance to this device's m2 and v.
-void backward_moments(const Info& stats, const std::vector<double>& m1,
-                      const std::vector<double>& gamma, const std::vector<double>& inv_std,
-                      const std::vector<double>& total, double count,
-                      std::vector<double>* d_m2, std::vector<double>* d_v) {
+// The gradients of this device's m2 and v from the summed BACKWARD vectors
+// `total`: through the global mean and variance (m1 is a constant).
+void local_moment_grads(const std::vector<double>& total, double count, const Info& stats,
+                        const std::vector<double>& m1, const std::vector<double>& gamma,
+                        const std::vector<double>& inv_std, std::vector<double>* d_m2,
+                        std::vector<double>* d_v) {
   const size_t C = m1.size();
   d_m2->assign(C, 0.0);
   d_v->assign(C, 0.0);
