@@ -65,14 +65,25 @@ class Session(object):
         self._step = 0
         self._step_dtypes = {}  # key -> (step, {device: dtype}) of this step's calls
 
-    def attach_native(self, lib):
-        """Keep the token in the native library, so both operators share one
+    def load_native(self):
+        """The native library, built, self-tested and loaded at the first
+        layer's first call (not at import), or None where it cannot be had.
+
+        From then on the step token lives there, so both operators share one
         step: a native timeout fails the Python calls of the step and the
-        other way round. Must run before any call is issued."""
-        self._native = lib
-        add_failure_source(lambda: [
-            (SyncBatchNormTimeout if kind == 'SyncBatchNormTimeout' else SyncBatchNormError)(m)
-            for kind, m in native.take_errors(lib)])
+        other way round. No call has been issued before the first layer's, so
+        the token starts afresh.
+        """
+        if self._native is None:
+            lib = native.load()  # raises where GLUON_SYNCBN_OPERATOR=native cannot be had
+            if lib is not None and self._native is None:
+                self._native = lib
+                add_failure_source(lambda: [
+                    (SyncBatchNormTimeout if kind == 'SyncBatchNormTimeout'
+                     else SyncBatchNormError)(m)
+                    for kind, m in native.take_errors(lib)])
+                self.begin_step()
+        return self._native
 
     def prepare_engine(self):
         """Once, before the first layer's first call, where the native library
@@ -145,7 +156,7 @@ class Session(object):
             if self._native is None:
                 self._token += 1
                 self._cause = cause
-            else:  # the token lives there (see attach_native)
+            else:  # the token lives there (see load_native)
                 self._native.gsbn_abort(str(cause).encode('utf-8', 'replace'), int(exiting))
             listeners = [] if exiting else list(self._abort_listeners)
         for listener in listeners:
@@ -255,6 +266,7 @@ class SyncGroup(object):
         hint = timeout_hint(self.devices)
         self.barrier = CallOrderBarrier(name, self.devices, timeout, hint=hint, session=SESSION)
         self.host_memory = in_host_memory(self.devices)
+        SESSION.load_native()
         # Which operator synchronizes the calls ('async', 'exchange' or
         # 'python') and, for the Python operator, why.
         self.operator, self.why_python = native.choose_operator(self.host_memory,
@@ -427,12 +439,3 @@ def _remove_collected_locked():
         if group is not None and group.operator != 'python':
             SESSION._native.gsbn_group_remove(group.group_id.encode())
 
-
-def _load_native():
-    """Load the native operator at import, before any call takes a token."""
-    lib = native.load()
-    if lib is not None:
-        SESSION.attach_native(lib)
-
-
-_load_native()

@@ -47,7 +47,7 @@ def reported(out, key):
     return lines[0]
 
 
-def test_built_at_first_import_into_the_cache(tmp_path):
+def test_built_at_first_use_into_the_cache(tmp_path):
     out = python(TWO_DEVICE_STEP, GLUON_SYNCBN_CACHE=str(tmp_path))
     assert reported(out, 'OPERATOR') == 'async'
     assert float(reported(out, 'ERROR')) < 1e-5
