@@ -13,19 +13,19 @@ alone beside plain in a fresh process, so the others still get their numbers.
 
     python benchmarks/bench_overhead.py                     # N = 2, 4, 8 -> results/overhead-async
     python benchmarks/bench_overhead.py --n 8 --temp-slots 4096   # -> results/overhead-async-n8
-    python benchmarks/bench_overhead.py --operator python   # -> results/overhead-python
-    python benchmarks/bench_overhead.py --n 2 --operator native-device  # -> results/overhead-exchange-n2
+    python benchmarks/bench_overhead.py --backend python   # -> results/overhead-python
+    python benchmarks/bench_overhead.py --n 2 --backend exchange  # -> results/overhead-exchange-n2
     python benchmarks/bench_overhead.py --n 2 --steps 2 --warmup 1 --out /tmp/smoke  # smoke
     python benchmarks/bench_overhead.py --modes hybridized --repeat 3   # the spread, 3 processes each
-    python benchmarks/bench_overhead.py --operator native-device --count-ops  # + engine operations
+    python benchmarks/bench_overhead.py --backend exchange --count-ops  # + engine operations
 
-``--operator`` picks gluon_syncbn's operator (the result file is named by the
-one it selects; the header says which ran): ``native`` is the asynchronous
-operator ``async`` on CPU contexts, ``python`` the Python custom operator (the
-fallback). ``native-device`` / ``python-device`` run CPU contexts down the path
-GPUs take (``GLUON_SYNCBN_DEVICE_PATH=1``: MXNet's operators compute the local
-moments, and the ``exchange`` operator, or the Python one, exchanges the
-vectors): the host cost of the GPU path. ``--n`` other than the default adds
+``--backend`` picks gluon_syncbn's backend (the result file is named by it;
+the header says which ran): ``async`` (the default) is what CPU contexts run,
+``python`` the Python operator (the fallback). ``exchange`` and
+``python-device`` run CPU contexts down the path GPUs take
+(``GLUON_SYNCBN_DEVICE_PATH=1``: MXNet's operators compute the local moments,
+and the exchange operator, or the Python one, exchanges the vectors): the
+host cost of the GPU path. ``--n`` other than the default adds
 ``-n<N>[-<N>...]`` to the file name. Fewer than 10 steps is a smoke run
 (see report.py).
 """
@@ -44,9 +44,11 @@ LAYERS = 53
 VARIANTS = ('plain', 'contrib', 'ours')
 DEFAULT_N = [2, 4, 8]
 MODES = ['hybridized', 'imperative']
-# --operator -> the operator it selects on CPU contexts (the result file's name)
-BACKEND = {'native': 'async', 'python': 'python', 'native-device': 'exchange',
-           'python-device': 'python-device'}
+# --backend -> the settings that select it on CPU contexts
+BACKEND = {'async': dict(GLUON_SYNCBN_OPERATOR='native', GLUON_SYNCBN_DEVICE_PATH='0'),
+           'python': dict(GLUON_SYNCBN_OPERATOR='python', GLUON_SYNCBN_DEVICE_PATH='0'),
+           'exchange': dict(GLUON_SYNCBN_OPERATOR='native', GLUON_SYNCBN_DEVICE_PATH='1'),
+           'python-device': dict(GLUON_SYNCBN_OPERATOR='python', GLUON_SYNCBN_DEVICE_PATH='1')}
 MIN_STEPS = 10   # fewer: a smoke run
 
 
@@ -125,9 +127,7 @@ def measure(n, hybridize, args):
     cfg = dict(n=n, hybridize=hybridize, steps=args.steps, warmup=args.warmup,
                sync_timeout=args.sync_timeout, variants=list(VARIANTS),
                temp_slots=args.temp_slots, count_ops=args.count_ops)
-    operator, _, path = args.operator.partition('-')
-    env = dict(os.environ, GLUON_SYNCBN_OPERATOR=operator,
-               GLUON_SYNCBN_DEVICE_PATH='1' if path == 'device' else '0')
+    env = dict(os.environ, **BACKEND[args.backend])
     res = run_worker('worker', cfg, args.deadline, module='bench_overhead', env=env)
     if isinstance(res, dict):
         return res
@@ -178,9 +178,9 @@ def main():
     parser.add_argument('--sync-timeout', type=float, default=30.0,
                         help="gluon_syncbn's timeout: how soon a deadlock is reported")
     parser.add_argument('--deadline', type=float, default=240.0, help='per process, seconds')
-    parser.add_argument('--operator', default='native', choices=sorted(BACKEND),
-                        help="gluon_syncbn's operator (GLUON_SYNCBN_OPERATOR), '-device' "
-                             "for the GPU path (GLUON_SYNCBN_DEVICE_PATH=1)")
+    parser.add_argument('--backend', default='async', choices=sorted(BACKEND),
+                        help="gluon_syncbn's backend; exchange and python-device: CPU "
+                             "contexts down the GPU path (GLUON_SYNCBN_DEVICE_PATH=1)")
     parser.add_argument('--modes', nargs='*', default=MODES, choices=MODES)
     parser.add_argument('--repeat', type=int, default=1,
                         help='processes per (N, mode): a row each, for the spread between them')
@@ -192,7 +192,7 @@ def main():
                              '(1024 at N = 8) is too few for three such nets in one process')
     report.add_arguments(parser)
     args = parser.parse_args()
-    name = 'overhead-' + BACKEND[args.operator]
+    name = 'overhead-' + args.backend
     if args.n != DEFAULT_N:
         name += '-n' + '-'.join(map(str, args.n))
     if args.modes != MODES:
@@ -227,7 +227,7 @@ def main():
             '%+.3f ms/call' % (1e3 * (ours - plain) / (LAYERS * n))
             if isinstance(ours, float) and isinstance(plain, float) else str(ours)[:40])))
     run.write('Host cost per BN call: %d-layer stack on tiny tensors (bench_overhead.py)'
-              % LAYERS, report.backend_text(ran) + ' (--operator %s)' % args.operator,
+              % LAYERS, report.backend_text(ran) + ' (--backend %s)' % args.backend,
               lines, raw, 'gluon_syncbn ' + ', '.join(headline))
 
 

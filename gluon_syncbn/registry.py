@@ -82,7 +82,8 @@ class Session(object):
                     (SyncBatchNormTimeout if kind == 'SyncBatchNormTimeout'
                      else SyncBatchNormError)(m)
                     for kind, m in native.take_errors(lib)])
-                self.begin_step()
+                self._issue_token = self.token()
+                lib.gsbn_begin_step()
         return self._native
 
     def prepare_engine(self):

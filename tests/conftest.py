@@ -76,20 +76,21 @@ def result_of(results, index):
 # the exactness and fault suites run on each.
 OPERATOR_VARIABLE = 'GLUON_SYNCBN_OPERATOR'
 DEVICE_PATH_VARIABLE = 'GLUON_SYNCBN_DEVICE_PATH'
-# Every code path a layer call can take, and the environment that selects it
-# on CPU contexts: the '-device' ones are the paths GPUs take (MXNet's
-# operators compute the moments; arrays are copied, never touched in place).
+# Every code path a layer call can take, named by its backend, and the
+# environment that selects it on CPU contexts: 'exchange' and 'python-device'
+# are the paths GPUs take (MXNet's operators compute the moments; arrays are
+# copied, never touched in place).
 PATHS = {
-    'native': {OPERATOR_VARIABLE: 'native'},  # the asynchronous operator
+    'async': {OPERATOR_VARIABLE: 'native'},
     'python': {OPERATOR_VARIABLE: 'python'},
-    'native-device': {OPERATOR_VARIABLE: 'native', DEVICE_PATH_VARIABLE: '1'},  # exchange
+    'exchange': {OPERATOR_VARIABLE: 'native', DEVICE_PATH_VARIABLE: '1'},
     'python-device': {OPERATOR_VARIABLE: 'python', DEVICE_PATH_VARIABLE: '1'},
 }
 # The operator each path runs (the layer's group.operator).
-PATH_OPERATOR = {'native': 'async', 'python': 'python', 'native-device': 'exchange',
+PATH_OPERATOR = {'async': 'async', 'python': 'python', 'exchange': 'exchange',
                  'python-device': 'python'}
 # The paths the fault, empty-slice, group, NumPy-mode and AMP suites run on.
-OPERATOR_PATHS = ['native', 'python', 'native-device']
+OPERATOR_PATHS = ['async', 'python', 'exchange']
 
 
 @pytest.fixture(params=OPERATOR_PATHS)

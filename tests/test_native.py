@@ -249,7 +249,7 @@ def test_deep_stack_does_not_deadlock_on_the_gpu_path(hybridize):
     # contexts share: imperative calls through a graph that pinned them
     # (static_shape) deadlocked here within ten steps.
     r = run_scenario('deep_stack', timeout=240, num_devices=2, hybridize=hybridize, steps=12,
-                     env=dict(PATHS['native-device'], SCENARIO_CONTEXTS='2'))
+                     env=dict(PATHS['exchange'], SCENARIO_CONTEXTS='2'))
     assert r['finite'] == 1.0, r
     assert r['out'] < 1.0, r
 

@@ -32,8 +32,8 @@ EXACT_CASES = [
 
 
 @pytest.mark.parametrize('transport,path', [
-    ('loopback', 'native'), ('loopback', 'native-device'), ('loopback', 'python'),
-    ('kvstore', 'native'), ('kvstore', 'native-device')])
+    ('loopback', 'async'), ('loopback', 'exchange'), ('loopback', 'python'),
+    ('kvstore', 'async'), ('kvstore', 'exchange')])
 def test_exact_through_a_cross_process_transport(transport, path):
     env = dict(PATHS[path], SCENARIO_TRANSPORT=transport)
     results = run_batch(EXACT_CASES, timeout=240, env=env)
@@ -80,8 +80,8 @@ FATAL_CASES = {
 # Every case on the asynchronous operator; the GPU path shares its session,
 # and test_transport.py holds the Python transport's rules but for the
 # ownership check, which lives in registry.SyncGroup.reduce.
-@pytest.mark.parametrize('case,path', [(case, 'native') for case in sorted(FATAL_CASES)] + [
-    ('out of step', 'native-device'), ('device numbering', 'python')])
+@pytest.mark.parametrize('case,path', [(case, 'async') for case in sorted(FATAL_CASES)] + [
+    ('out of step', 'exchange'), ('device numbering', 'python')])
 def test_a_failed_reduction_is_an_error_then_ends_the_process(case, path):
     mode, name, kwargs, expected = FATAL_CASES[case]
     env = dict(PATHS[path], SCENARIO_TRANSPORT='loopback:' + mode)
@@ -94,14 +94,14 @@ def test_a_failed_reduction_is_an_error_then_ends_the_process(case, path):
 
 
 def test_a_deleted_store_is_an_error_naming_the_fix():
-    proc = _run(['store_deleted', '{}'], 60, dict(PATHS['native'], SCENARIO_TRANSPORT='kvstore'))
+    proc = _run(['store_deleted', '{}'], 60, dict(PATHS['async'], SCENARIO_TRANSPORT='kvstore'))
     output = proc.stdout + proc.stderr
     assert proc.returncode == 1, output[-4000:]
     assert "failed in kvstore 'local': the kvstore given as kvstore= was deleted; keep it " \
            "alive while the network trains" in output, output[-4000:]
 
 
-@pytest.mark.parametrize('path', ['native', 'native-device'])
+@pytest.mark.parametrize('path', ['async', 'exchange'])
 def test_a_reduction_that_never_completes_times_out_within_the_timeout(path):
     env = dict(PATHS[path], SCENARIO_TRANSPORT='loopback:never', GLUON_SYNCBN_TIMEOUT='0.5')
     start = time.monotonic()
@@ -114,7 +114,7 @@ def test_a_reduction_that_never_completes_times_out_within_the_timeout(path):
 
 
 def test_a_process_that_lingers_after_a_failure_ends_after_the_grace_period():
-    env = dict(PATHS['native'], SCENARIO_TRANSPORT='loopback:call', GLUON_SYNCBN_EXIT_GRACE='2')
+    env = dict(PATHS['async'], SCENARIO_TRANSPORT='loopback:call', GLUON_SYNCBN_EXIT_GRACE='2')
     start = time.monotonic()
     proc = _run(['fail_then_linger', '{"seconds": 60}'], 60, env)
     output = proc.stdout + proc.stderr
