@@ -207,11 +207,14 @@ def train(backend, devices, sizes, steps=3, hybridize=False, image=8, seed=0, fa
     return dict(errs, rank=worker.rank, operator=','.join(sorted(_operators(net))))
 
 
-def _operators(block):
-    """The operators the SyncBatchNorm layers in ``block`` synchronize with."""
-    found = {block._group.operator} if getattr(block, '_group', None) is not None else set()
-    for child in block._children.values():
-        found |= _operators(child)
+def _operators(net):
+    """The operators the SyncBatchNorm layers in ``net`` synchronize with."""
+    found = set()
+
+    def look(block):
+        if getattr(block, '_group', None) is not None:
+            found.add(block._group.operator)
+    net.apply(look)
     return found
 
 

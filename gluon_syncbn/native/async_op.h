@@ -142,11 +142,8 @@ mxnet::OpStatePtr async_create_state(const nnvm::NodeAttrs& attrs, mxnet::Contex
   auto* state = new AsyncState();
   state->dev_id = ctx.dev_id;
   state->op = node_op(attrs, ctx);
-  const mxnet::TShape& data = in_shapes[0];
-  const int axis = state->op.params.axis < 0 ? state->op.params.axis + data.ndim()
-                                             : state->op.params.axis;
-  std::string error;
-  CHECK(attach_remote(*state->op.group, data[axis], &error)) << error;
+  std::string error;  // the channel count: gamma's shape, as shape inference set it
+  CHECK(attach_remote(*state->op.group, in_shapes[1].Size(), &error)) << error;
   return make_state(state, layer_variable(state->op.params.group_id, state->op.device));
 }
 

@@ -262,8 +262,8 @@ mxnet::OpStatePtr exchange_create_state(const nnvm::NodeAttrs& attrs, mxnet::Con
   auto* state = new ExchangeState();
   state->dev_id = ctx.dev_id;
   state->op = node_op(attrs, ctx);
-  std::string error;  // the packed input: [m1 | m2 | v | gamma | beta]
-  CHECK(attach_remote(*state->op.group, in_shapes[0].Size() / 5, &error)) << error;
+  std::string error;  // the channel count: gamma's shape, as shape inference set it
+  CHECK(attach_remote(*state->op.group, in_shapes[2].Size(), &error)) << error;
   state->staging = layer_staging(state->op.params.group_id, state->op.device);
   return make_state(state, layer_variable(state->op.params.group_id, state->op.device));
 }

@@ -318,6 +318,11 @@ std::string slot_name(const Group& g) {
 
 const char* direction_name(const Key& key) { return std::get<0>(key) == 0 ? "fwd" : "bwd"; }
 
+// "the fwd reduction of layer 'x' (slot s)", as the remote phase's messages name it.
+std::string reduction_name(const Group& g, const Key& key) {
+  return "the " + std::string(direction_name(key)) + " reduction of layer " + slot_name(g);
+}
+
 // This worker's check numbers for a reduction of vectors of `size`:
 // (channels, call number).
 std::array<double, 2> own_checks(const Key& key, size_t size) {
@@ -327,9 +332,8 @@ std::array<double, 2> own_checks(const Key& key, size_t size) {
 }
 
 std::string reduction_failed(const Group& g, const Key& key, const std::string& why) {
-  return "SyncBatchNorm: the " + std::string(direction_name(key)) + " reduction of layer " +
-         slot_name(g) + " failed in " + g.transport->name + ": " + why +
-         ". Another worker probably died; see its log.";
+  return "SyncBatchNorm: " + reduction_name(g, key) + " failed in " + g.transport->name + ": " +
+         why + ". Another worker probably died; see its log.";
 }
 
 std::string broken_message(const Group& g) {
@@ -389,8 +393,7 @@ std::string check_remote_locked(const Group& g, const Key& key, Exchange& ex,
   const std::array<double, 2> own = own_checks(key, size);
   const double expected[2] = {own[0] * t.workers, own[1] * t.workers};
   if (total.size() != kChecks + rows + g.ownership.size())
-    return "SyncBatchNorm: the " + std::string(direction_name(key)) + " reduction of layer " +
-           slot_name(g) + " came back from " + t.name + " with " +
+    return "SyncBatchNorm: " + reduction_name(g, key) + " came back from " + t.name + " with " +
            std::to_string(total.size()) + " numbers instead of " +
            std::to_string(kChecks + rows + g.ownership.size()) + "; this is a bug in "
            "gluon_syncbn, please report it.";
@@ -398,9 +401,8 @@ std::string check_remote_locked(const Group& g, const Key& key, Exchange& ex,
     return reduction_failed(g, key, "no sum came back (the engine reported an error on it)");
   if (total[0] != expected[0] || total[1] != expected[1]) {
     const std::string where =
-        "SyncBatchNorm: at the " + std::string(direction_name(key)) + " reduction of layer " +
-        slot_name(g) + ", the " + std::to_string(t.workers) + " workers' check numbers add "
-        "up to " + format_numbers(total.data(), 2) + " instead of " +
+        "SyncBatchNorm: at " + reduction_name(g, key) + ", the " + std::to_string(t.workers) +
+        " workers' check numbers add up to " + format_numbers(total.data(), 2) + " instead of " +
         format_numbers(expected, 2) + " (channels, call number). ";
     if (total[0] != std::round(total[0]) || total[1] != std::round(total[1]))
       return where + "The kvstore changed our sums: it applies an optimizer to every key. "

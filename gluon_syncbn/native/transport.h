@@ -209,6 +209,9 @@ class StoreLock {
 
 const int kKeyBase = 1 << 30;  // transport.py's KEY_BASE: above any Trainer key
 
+// A slot's kvstore key in direction `dir`, as transport.py numbers them.
+int store_key(int slot, int dir) { return kKeyBase + 2 * slot + dir; }
+
 class KVStoreTransport : public Transport {
  public:
   StoreLock lock;
@@ -230,7 +233,7 @@ class KVStoreTransport : public Transport {
  protected:
   // MXKVStoreInit: rank 0 pushes the zeros and waits, then ps-lite's barrier.
   bool init_key(int slot, int dir, NDArrayHandle buffer, std::string* error) override {
-    const int key = kKeyBase + 2 * slot + dir;
+    const int key = store_key(slot, dir);
     const std::string closed = closed_reason();
     if (!closed.empty()) {
       *error = closed;
@@ -245,7 +248,7 @@ class KVStoreTransport : public Transport {
 
   void reduce(int slot, int dir, const Buffer& buffer, std::function<void()> then,
               std::function<void(const std::string&)> failed) override {
-    const int key = kKeyBase + 2 * slot + dir;
+    const int key = store_key(slot, dir);
     NDArrayHandle array = buffer.array;
     lock.run_or_queue([this, key, array, then, failed]() {
       NDArrayHandle b = array;
