@@ -18,6 +18,7 @@ alone beside plain in a fresh process, so the others still get their numbers.
     python benchmarks/bench_overhead.py --n 2 --steps 2 --warmup 1 --out /tmp/smoke  # smoke
     python benchmarks/bench_overhead.py --modes hybridized --repeat 3   # the spread, 3 processes each
     python benchmarks/bench_overhead.py --backend exchange --count-ops  # + engine operations
+    python benchmarks/bench_overhead.py --backend exchange --graph-only  # + the graph alone
 
 ``--backend`` picks gluon_syncbn's backend (the result file is named by it;
 the header says which ran): ``async`` (the default) is what CPU contexts run,
@@ -25,7 +26,11 @@ the header says which ran): ``async`` (the default) is what CPU contexts run,
 ``python-device`` run CPU contexts down the path GPUs take
 (``GLUON_SYNCBN_DEVICE_PATH=1``: MXNet's operators compute the local moments,
 and the exchange operator, or the Python one, exchanges the vectors): the
-host cost of the GPU path. ``--n`` other than the default adds
+host cost of the GPU path. ``--graph-only`` adds a fourth variant: the GPU
+path's graph of MXNet operators around the exchange operator (moments,
+normalization), the exchange replaced by a slice and a reshape (timing only,
+not normalizing); its cost beside gluon_syncbn's separates the graph's share
+from the exchange operator's. ``--n`` other than the default adds
 ``-n<N>[-<N>...]`` to the file name. Fewer than 10 steps is a smoke run
 (see report.py).
 """
@@ -70,6 +75,8 @@ def worker(cfg):
             return gluon.nn.BatchNorm(in_channels=16)
         if kind == 'contrib':
             return gluon.contrib.nn.SyncBatchNorm(in_channels=16, num_devices=n)
+        if kind == 'graph':
+            return _graph_only(16)
         return gluon_syncbn.SyncBatchNorm(in_channels=16, timeout=cfg['sync_timeout'])
 
     steps, nets = {}, {}
@@ -106,6 +113,31 @@ def worker(cfg):
     return res
 
 
+def _graph_only(channels):
+    """A block running the operators of ``graph.VectorGraph._exchange_graph``
+    with the exchange operator replaced by a slice and a reshape: their host
+    cost, for timing only (its output is not normalized)."""
+    from mxnet import gluon
+
+    class GraphOnly(gluon.HybridBlock):
+        def __init__(self):
+            super(GraphOnly, self).__init__()
+            self.gamma = self.params.get('gamma', shape=(channels,), init='ones')
+            self.beta = self.params.get('beta', shape=(channels,), init='zeros')
+
+        def hybrid_forward(self, F, x, gamma, beta):  # pylint: disable=arguments-differ
+            m1 = F.mean(F.BlockGrad(x), axis=1, exclude=True, keepdims=True)
+            xc = F.broadcast_sub(x, m1)
+            m2 = F.mean(xc, axis=1, exclude=True)
+            v = F.mean(F.square(xc), axis=1, exclude=True)
+            packed = F.concat(F.reshape(m1, shape=(-1,)), m2, v, gamma, beta, dim=0)
+            halves = F.reshape(F.slice_axis(packed, axis=0, begin=0, end=2 * channels),
+                               shape=(2, 1, channels, 1, 1))
+            scale, shift = F.split(halves, num_outputs=2, axis=0, squeeze_axis=True)
+            return F.reshape_like(F.broadcast_add(F.broadcast_mul(xc, scale), shift), x)
+    return GraphOnly()
+
+
 def engine_operations(step, steps=3):
     """Engine operations per step of ``step``, counted by MXNet's profiler:
     each operator pushed alone, each bulked segment, each engine variable
@@ -125,7 +157,8 @@ def engine_operations(step, steps=3):
 def measure(n, hybridize, args):
     """Median step times for every variant of one (N, mode), or why there are none."""
     cfg = dict(n=n, hybridize=hybridize, steps=args.steps, warmup=args.warmup,
-               sync_timeout=args.sync_timeout, variants=list(VARIANTS),
+               sync_timeout=args.sync_timeout,
+               variants=list(VARIANTS) + (['graph'] if args.graph_only else []),
                temp_slots=args.temp_slots, count_ops=args.count_ops)
     env = dict(os.environ, **BACKEND[args.backend])
     res = run_worker('worker', cfg, args.deadline, module='bench_overhead', env=env)
@@ -133,7 +166,7 @@ def measure(n, hybridize, args):
         return res
     # Something hung or failed: each synchronized variant alone beside plain.
     found = {'first try': res}
-    for kind in VARIANTS[1:]:
+    for kind in cfg['variants'][1:]:
         alone = run_worker('worker', dict(cfg, variants=['plain', kind]), args.deadline,
                            module='bench_overhead', env=env)
         if isinstance(alone, dict):
@@ -151,7 +184,8 @@ def row(n, hybridize, res):
     mode = 'hybridized' if hybridize else 'imperative'
     plain = res.get('plain')
     cells = []
-    for kind in ('contrib', 'ours'):
+    kinds = ('contrib', 'ours') + (('graph',) if 'graph' in res else ())
+    for kind in kinds:
         t = res.get(kind)
         if isinstance(t, float) and isinstance(plain, float):
             cells.append('%.1f ms (%.2fx, +%.3f ms/call)' % (
@@ -164,10 +198,10 @@ def row(n, hybridize, res):
     ops = res.get('ops')
     if ops:  # engine operations per BN call per device, beyond plain's
         cells = ['%s, +%.1f ops' % (cell, ops[kind] - ops['plain']) if kind in ops else cell
-                 for cell, kind in zip(cells, ('contrib', 'ours'))]
-    return '| %d | %s | %s | %s | %s | %s |' % (
-        n, mode, '%.1f ms' % (1e3 * plain) if isinstance(plain, float) else '-',
-        cells[0], cells[1], versus)
+                 for cell, kind in zip(cells, kinds)]
+    columns = [str(n), mode, '%.1f ms' % (1e3 * plain) if isinstance(plain, float) else '-',
+               cells[0], cells[1], versus] + cells[2:]
+    return '| %s |' % ' | '.join(columns)
 
 
 def main():
@@ -187,6 +221,9 @@ def main():
     parser.add_argument('--count-ops', action='store_true',
                         help='also count engine operations per BN call per device with '
                              "MXNet's profiler (3 more steps per variant, after the timing)")
+    parser.add_argument('--graph-only', action='store_true',
+                        help="also time the GPU path's graph without its exchange operator "
+                             '(timing only; see the docstring)')
     parser.add_argument('--temp-slots', type=int, default=None,
                         help='configure_cpu_contexts(N, temp_slots=...): the default '
                              '(1024 at N = 8) is too few for three such nets in one process')
@@ -199,6 +236,8 @@ def main():
         name += '-' + '-'.join(args.modes)
     if args.repeat > 1:
         name += '-x%d' % args.repeat
+    if args.graph_only:
+        name += '-graph'
     run = report.Run(name, args.out, smoke=args.steps < MIN_STEPS)
     lines = ['CPU contexts, every process under `configure_cpu_contexts(N%s)`. %d x (conv 1x1 + '
              'BN + relu) on (2, 16, 2, 2) per device, forward + backward + waitall, medians of '
@@ -210,8 +249,9 @@ def main():
                 'operators pushed alone, bulked segments, engine variables deleted)'
                 if args.count_ops else ''),
              '',
-             '| N | mode | nn.BatchNorm | contrib SyncBatchNorm | gluon_syncbn | ours / contrib |',
-             '|---|---|---|---|---|---|']
+             '| N | mode | nn.BatchNorm | contrib SyncBatchNorm | gluon_syncbn | ours / contrib |'
+             + (' graph only |' if args.graph_only else ''),
+             '|---|---|---|---|---|---|' + ('---|' if args.graph_only else '')]
     raw, ran, headline = [], set(), []
     runs = [(n, mode == 'hybridized') for n in args.n for mode in args.modes
             for _ in range(args.repeat)]
