@@ -21,7 +21,7 @@ print('LOADED', path, works)
 
 
 def run(python, cache, library_path):
-    env = dict(os.environ, GLUON_SYNCBN_CACHE=cache, GLUON_SYNCBN_OPERATOR='native',
+    env = dict(os.environ, GLUON_SYNCBN_CACHE=cache, GLUON_SYNCBN_BACKEND='async',
                LD_LIBRARY_PATH=library_path)
     proc = subprocess.run([python, '-c', REPORT], capture_output=True, text=True,
                           timeout=600, env=env, cwd=os.path.dirname(os.path.dirname(

@@ -106,8 +106,8 @@ def command_line():
 
 
 def selection_env():
-    """The library's operator switches set in this environment (inherited by workers)."""
-    return {k: os.environ[k] for k in ('GLUON_SYNCBN_OPERATOR', 'GLUON_SYNCBN_DEVICE_PATH')
+    """The library's backend switches set in this environment (inherited by workers)."""
+    return {k: os.environ[k] for k in ('GLUON_SYNCBN_BACKEND', 'GLUON_SYNCBN_DEVICE_PATH')
             if k in os.environ}
 
 

@@ -15,12 +15,12 @@ from .engine import configure_cpu_contexts, configure_from_environment  # noqa: 
 # Only if GLUON_SYNCBN_CPU_CONTEXTS asks for it: importing changes nothing else.
 configure_from_environment()
 
-from .native import implementation as _implementation  # noqa: E402
+from .native import requested_backend as _requested_backend  # noqa: E402
 
-# A bad GLUON_SYNCBN_OPERATOR is an error now, not at the first call. The
+# A bad GLUON_SYNCBN_BACKEND is an error now, not at the first call. The
 # native library itself is built and loaded at the first layer's first call
 # (registry.Session.load_native).
-_implementation()
+_requested_backend()
 
 import mxnet as _mx  # noqa: E402
 

@@ -10,7 +10,7 @@ from . import native
 from . import registry
 from .graph import LOW_PRECISION, VectorGraph
 from .transport import make_transport
-from .engine import check_cpu_contexts, is_naive_engine, mkldnn_active, in_host_memory
+from .engine import check_cpu_contexts, is_naive_engine, mkldnn_active
 from .mxnet_private import dtype_name
 from .errors import SyncBatchNormError
 from .groups import check_sync_groups
@@ -197,13 +197,13 @@ class SyncBatchNorm(HybridBlock):
         group = self._group
         if group is None or group.devices != devices:
             check_cpu_contexts(self.name, devices)
-            self._fast_ops = (mkldnn_active() and in_host_memory(devices)
-                              and os.environ.get('GLUON_SYNCBN_CONV_NORMALIZE', '1') != '0')
             group = registry.SyncGroup(self._group_id, self.name, devices,
                                        self._kwargs['axis'], self._timeout,
                                        transport=self._transport,
                                        arrays=_array_getter(self),
                                        sync_groups=self._sync_groups)
+            self._fast_ops = (mkldnn_active() and group.host_memory
+                              and os.environ.get('GLUON_SYNCBN_CONV_NORMALIZE', '1') != '0')
             registry.register(group)
             self._group = group
         return group

@@ -147,10 +147,11 @@ def mkldnn_active():
 
 
 def in_host_memory(devices):
-    """True if the operators may read and write the layer's arrays in place:
-    every device is a CPU context, and ``GLUON_SYNCBN_DEVICE_PATH`` is not
-    ``1``. With it, CPU contexts take the path GPUs take (MXNet's operators
-    compute the local moments; the operators copy arrays through MXNet), so
-    that code runs in CI, which has no GPU."""
+    """True if every device is a CPU context, whose arrays the operators may
+    read and write in place, and ``GLUON_SYNCBN_DEVICE_PATH`` is not ``1``.
+    That test switch makes CPU contexts count as GPUs, so the code GPUs run
+    (the backend ``auto`` picks for them, and the Python operator's GPU form:
+    MXNet's operators compute the local moments, arrays are copied through
+    MXNet) runs in CI, which has no GPU."""
     return (all(d.startswith('cpu') for d in devices)
             and os.environ.get(DEVICE_PATH_VARIABLE, '0') != '1')

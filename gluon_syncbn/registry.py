@@ -75,7 +75,7 @@ class Session(object):
         the token starts afresh.
         """
         if self._native is None:
-            lib = native.load()  # raises where GLUON_SYNCBN_OPERATOR=native cannot be had
+            lib = native.load()  # raises where GLUON_SYNCBN_BACKEND=async|exchange cannot be had
             if lib is not None and self._native is None:
                 self._native = lib
                 add_failure_source(lambda: [
@@ -266,12 +266,15 @@ class SyncGroup(object):
         self._init_subgroups(sync_groups)
         hint = timeout_hint(self.devices)
         self.barrier = CallOrderBarrier(name, self.devices, timeout, hint=hint, session=SESSION)
-        self.host_memory = in_host_memory(self.devices)
         SESSION.load_native()
+        on_cpu = in_host_memory(self.devices)
         # Which operator synchronizes the calls ('async', 'exchange' or
         # 'python') and, for the Python operator, why.
-        self.operator, self.why_python = native.choose_operator(self.host_memory,
+        self.operator, self.why_python = native.choose_operator(name, self.devices, on_cpu,
                                                                 self.transport)
+        # Whether the operators may touch the layer's arrays in place: the
+        # exchange operator only sees per-channel vectors, on CPU contexts too.
+        self.host_memory = on_cpu and self.operator != 'exchange'
         if self.transport.cross_process and self.operator == 'python':
             # An aborted step leaves the other workers waiting for our sums
             # (the native session sees to that for the native operators).

@@ -72,19 +72,19 @@ def result_of(results, index):
     return result
 
 
-# The implementations of the synchronization operator (see gluon_syncbn/native):
-# the exactness and fault suites run on each.
-OPERATOR_VARIABLE = 'GLUON_SYNCBN_OPERATOR'
+# The backends (see gluon_syncbn/native): the exactness and fault suites run on each.
+BACKEND_VARIABLE = 'GLUON_SYNCBN_BACKEND'
 DEVICE_PATH_VARIABLE = 'GLUON_SYNCBN_DEVICE_PATH'
 # Every code path a layer call can take, named by its backend, and the
 # environment that selects it on CPU contexts: 'exchange' and 'python-device'
 # are the paths GPUs take (MXNet's operators compute the moments; arrays are
-# copied, never touched in place).
+# copied, never touched in place). The Python operator takes its GPU form
+# where CPU contexts count as GPUs (the test switch GLUON_SYNCBN_DEVICE_PATH).
 PATHS = {
-    'async': {OPERATOR_VARIABLE: 'native'},
-    'python': {OPERATOR_VARIABLE: 'python'},
-    'exchange': {OPERATOR_VARIABLE: 'native', DEVICE_PATH_VARIABLE: '1'},
-    'python-device': {OPERATOR_VARIABLE: 'python', DEVICE_PATH_VARIABLE: '1'},
+    'async': {BACKEND_VARIABLE: 'async'},
+    'python': {BACKEND_VARIABLE: 'python'},
+    'exchange': {BACKEND_VARIABLE: 'exchange'},
+    'python-device': {BACKEND_VARIABLE: 'python', DEVICE_PATH_VARIABLE: '1'},
 }
 # The operator each path runs (the layer's group.operator).
 PATH_OPERATOR = {'async': 'async', 'python': 'python', 'exchange': 'exchange',

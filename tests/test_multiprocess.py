@@ -20,8 +20,8 @@ from tests.conftest import ROOT
 WORKER = os.path.join(ROOT, 'tests', 'dist_worker.py')
 EXACT = 2e-6  # float32 against float64, as in the one-process tests
 # The native operators are the default across processes too; these select others.
-PYTHON = {'GLUON_SYNCBN_OPERATOR': 'python'}
-DEVICE_PATH = {'GLUON_SYNCBN_DEVICE_PATH': '1'}
+PYTHON = {'GLUON_SYNCBN_BACKEND': 'python'}
+EXCHANGE = {'GLUON_SYNCBN_BACKEND': 'exchange'}
 
 
 
@@ -115,8 +115,8 @@ OTHER_OPERATOR_CASES = [
     ('python', PYTHON, 2, 2, [1, 3, 2, 1], {}),
     ('python', PYTHON, 2, 2, [0, 0, 1, 2], {'hybridize': True}),
     ('python', PYTHON, 2, 2, [1, 3, 2, 1], {'sync_groups': [[0, 2], [1, 3]]}),
-    ('exchange', DEVICE_PATH, 2, 2, [1, 3, 2, 1], {}),
-    ('exchange', DEVICE_PATH, 3, 1, [2, 1, 4], {'hybridize': 'static', 'run_ahead': True,
+    ('exchange', EXCHANGE, 2, 2, [1, 3, 2, 1], {}),
+    ('exchange', EXCHANGE, 3, 1, [2, 1, 4], {'hybridize': 'static', 'run_ahead': True,
                                                 'steps': 4}),
 ]
 
@@ -148,9 +148,9 @@ def test_twenty_layers_on_two_workers_of_two_contexts_match_full_batch_training(
     assert_exact(code, output, results, 2)
 
 
-# The fault tests run on the native operators and on the Python one (which
+# The fault tests run on the default backend (native) and on the Python one (which
 # has no Horovod-specific fault handling: over the kvstore only).
-OPERATOR_ENVS = [pytest.param({}, id='native'), pytest.param(PYTHON, id='python')]
+OPERATOR_ENVS = [pytest.param({}, id='auto'), pytest.param(PYTHON, id='python')]
 BACKEND_OPERATORS = [('dist_sync', 'kvstore', {}), ('horovod', 'horovod', {}),
                      ('dist_sync', 'kvstore', PYTHON)]
 

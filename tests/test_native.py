@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from tests.conftest import OPERATOR_VARIABLE, PATHS, ROOT, run_scenario
+from tests.conftest import BACKEND_VARIABLE, DEVICE_PATH_VARIABLE, PATHS, ROOT, run_scenario
 
 # Two contexts, two steps of a 2-layer net; prints which operator ran and the
 # worst relative error of the output against float64 maths.
@@ -35,7 +35,8 @@ print('ERROR', max_rel_err(np.concatenate([y.asnumpy() for y in ys]), y64))
 
 def python(code, timeout=180, **env):
     full = dict(os.environ, PYTHONPATH=ROOT)
-    full.pop(OPERATOR_VARIABLE, None)
+    for name in (BACKEND_VARIABLE, DEVICE_PATH_VARIABLE):
+        full.pop(name, None)
     full.update(env)
     return subprocess.run([sys.executable, '-c', code], capture_output=True, text=True,
                           timeout=timeout, cwd=ROOT, env=full)
@@ -75,12 +76,20 @@ def test_a_failed_self_test_falls_back_to_the_python_operator(tmp_path):
     assert float(reported(out, 'ERROR')) < 1e-5
     assert out.stderr.count('RuntimeWarning') == 1, out.stderr[-3000:]
     assert 'failed their self-test' in out.stderr and 'exit -11: simulated' in out.stderr
-    assert 'GLUON_SYNCBN_OPERATOR=python to silence' in out.stderr, out.stderr[-3000:]
+    assert 'GLUON_SYNCBN_BACKEND=python to silence' in out.stderr, out.stderr[-3000:]
     quiet = python(TWO_DEVICE_STEP, GLUON_SYNCBN_CACHE=str(tmp_path),
-                   GLUON_SYNCBN_OPERATOR='python')
+                   GLUON_SYNCBN_BACKEND='python')
     assert reported(quiet, 'OPERATOR') == 'python'
-    assert reported(quiet, 'WHY') == "'GLUON_SYNCBN_OPERATOR=python'"
+    assert reported(quiet, 'WHY') == "'GLUON_SYNCBN_BACKEND=python'"
     assert 'RuntimeWarning' not in quiet.stderr, quiet.stderr[-2000:]
+    # Asked for by name, the operator that failed is an error, not a fallback.
+    strict = python(TWO_DEVICE_STEP, GLUON_SYNCBN_CACHE=str(tmp_path),
+                    GLUON_SYNCBN_BACKEND='async')
+    assert strict.returncode != 0
+    assert "SyncBatchNormError: SyncBatchNorm 'syncbatchnorm0': GLUON_SYNCBN_BACKEND=async, " \
+        'but the async operator failed its self-test: exit -11: simulated' in strict.stderr, \
+        strict.stderr[-3000:]
+    assert 'RuntimeWarning' not in strict.stderr, strict.stderr[-2000:]
 
 
 def test_device_path_takes_the_exchange_operator_and_its_fallback(tmp_path):
@@ -106,6 +115,10 @@ def test_device_path_takes_the_exchange_operator_and_its_fallback(tmp_path):
     assert float(reported(out, 'ERROR')) < 1e-5
     assert out.stderr.count('RuntimeWarning') == 1, out.stderr[-3000:]
     assert 'failed its self-test' in out.stderr and 'exit -11: simulated' in out.stderr
+    strict = python(code, GLUON_SYNCBN_CACHE=str(tmp_path), GLUON_SYNCBN_BACKEND='exchange')
+    assert strict.returncode != 0
+    assert "GLUON_SYNCBN_BACKEND=exchange, but the exchange operator failed its self-test: " \
+        'exit -11: simulated' in strict.stderr, strict.stderr[-3000:]
 
 
 def test_room_for_engine_errors_leaves_the_users_errors_alone():
@@ -138,15 +151,17 @@ def test_without_a_compiler_falls_back_with_one_warning(tmp_path):
     assert float(reported(out, 'ERROR')) < 1e-5
     assert out.stderr.count('RuntimeWarning') == 1, out.stderr[-3000:]
     assert "no C++ compiler: '/nonexistent/c++' was not found" in out.stderr
-    assert 'GLUON_SYNCBN_OPERATOR=python' in out.stderr
+    assert 'GLUON_SYNCBN_BACKEND=python to silence' in out.stderr
 
 
-def test_asking_for_native_without_a_compiler_is_an_error(tmp_path):
+@pytest.mark.parametrize('backend', ['async', 'exchange'])
+def test_asking_for_a_native_backend_without_a_compiler_is_an_error(tmp_path, backend):
     out = python(TWO_DEVICE_STEP, GLUON_SYNCBN_CACHE=str(tmp_path), CXX='/nonexistent/c++',
-                 GLUON_SYNCBN_OPERATOR='native')
+                 GLUON_SYNCBN_BACKEND=backend)
     assert out.returncode != 0
-    assert 'SyncBatchNormError: GLUON_SYNCBN_OPERATOR=native, but the native operator is ' \
-           'not available: no C++ compiler' in out.stderr, out.stderr[-3000:]
+    assert 'SyncBatchNormError: GLUON_SYNCBN_BACKEND=%s, but the native library is not ' \
+           'available: no C++ compiler' % backend in out.stderr, out.stderr[-3000:]
+    assert 'RuntimeWarning' not in out.stderr, out.stderr[-2000:]
 
 
 def test_python_operator_on_request_registers_nothing_and_stays_quiet(tmp_path):
@@ -156,13 +171,13 @@ def test_python_operator_on_request_registers_nothing_and_stays_quiet(tmp_path):
     code = TWO_DEVICE_STEP + (
         "from gluon_syncbn import native\n"
         "print('NATIVE', native.load() is not None, native.async_operator() is None)\n")
-    out = python(code, GLUON_SYNCBN_CACHE=str(tmp_path / 'a'), GLUON_SYNCBN_OPERATOR='python')
+    out = python(code, GLUON_SYNCBN_CACHE=str(tmp_path / 'a'), GLUON_SYNCBN_BACKEND='python')
     assert reported(out, 'OPERATOR') == 'python'
     assert float(reported(out, 'ERROR')) < 1e-5
     assert reported(out, 'NATIVE') == 'True True'
     folder = tmp_path / 'a' / os.listdir(tmp_path / 'a')[0]
     assert [name[-3:] for name in os.listdir(folder)] == ['.so'], os.listdir(folder)
-    bare = python(code, GLUON_SYNCBN_CACHE=str(tmp_path / 'b'), GLUON_SYNCBN_OPERATOR='python',
+    bare = python(code, GLUON_SYNCBN_CACHE=str(tmp_path / 'b'), GLUON_SYNCBN_BACKEND='python',
                   CXX='/nonexistent/c++')
     assert reported(bare, 'OPERATOR') == 'python'
     assert float(reported(bare, 'ERROR')) < 1e-5
@@ -170,10 +185,24 @@ def test_python_operator_on_request_registers_nothing_and_stays_quiet(tmp_path):
     assert 'RuntimeWarning' not in bare.stderr, bare.stderr[-2000:]
 
 
-def test_bad_operator_choice_names_the_variable():
-    out = python('import gluon_syncbn', GLUON_SYNCBN_OPERATOR='fast')
+def test_bad_backend_choice_names_the_variable():
+    out = python('import gluon_syncbn', GLUON_SYNCBN_BACKEND='fast')
     assert out.returncode != 0
-    assert "GLUON_SYNCBN_OPERATOR='fast': use auto, native or python" in out.stderr
+    assert "GLUON_SYNCBN_BACKEND='fast': use auto, async, exchange, python." in out.stderr
+    # The variable it replaced is an error too, not silently ignored.
+    old = python('import gluon_syncbn', GLUON_SYNCBN_OPERATOR='native')
+    assert old.returncode != 0
+    assert 'GLUON_SYNCBN_OPERATOR is no longer read: set GLUON_SYNCBN_BACKEND=auto, async ' \
+           '(CPU contexts), exchange (GPUs) or python instead' in old.stderr, old.stderr[-2000:]
+
+
+def test_the_async_backend_refuses_layers_on_gpus():
+    # CPU contexts counted as GPUs stand in for them.
+    out = python(TWO_DEVICE_STEP, GLUON_SYNCBN_BACKEND='async', GLUON_SYNCBN_DEVICE_PATH='1')
+    assert out.returncode != 0
+    assert "SyncBatchNormError: SyncBatchNorm 'syncbatchnorm0': GLUON_SYNCBN_BACKEND=async, " \
+           'but the asynchronous operator runs on CPU contexts only, and this layer runs on ' \
+           'cpu(0), cpu(1). Unset GLUON_SYNCBN_BACKEND' in out.stderr, out.stderr[-3000:]
 
 
 # Resident memory over many calls: every array a call makes or holds (MKL-DNN
@@ -211,12 +240,12 @@ print('OPERATOR', group.operator,
 
 # The asynchronous operator (CPU contexts) and the exchange operator (the GPU
 # path, whose calls also make staging arrays and views).
-@pytest.mark.parametrize('path,operator', [({}, 'async False'),
-                                           ({'GLUON_SYNCBN_DEVICE_PATH': '1'}, 'exchange True')])
+@pytest.mark.parametrize('path,operator', [('async', 'async False'),
+                                           ('exchange', 'exchange True')])
 @pytest.mark.parametrize('hybridize', [False, True])
 def test_memory_stays_flat_over_many_calls(hybridize, path, operator):
     out = python(MEMORY.replace('HYBRIDIZE', str(hybridize)), timeout=300,
-                 GLUON_SYNCBN_OPERATOR='native', **path)
+                 **PATHS[path])
     assert reported(out, 'OPERATOR') == operator
     # 200 steps x 4 layers x 2 devices: a leak of one array per call would be ~400 MB.
     assert float(reported(out, 'GROWTH_MB')) < 20
@@ -230,7 +259,7 @@ DEEP = [(n, mode) for n in (2, 4, 8) for mode in (True, False)]
 def test_deep_stack_does_not_deadlock(num_devices, hybridize):
     # The library's settings for this many contexts, nothing more.
     r = run_scenario('deep_stack', timeout=240, num_devices=num_devices, hybridize=hybridize,
-                     env={OPERATOR_VARIABLE: 'native', 'SCENARIO_CONTEXTS': str(num_devices)})
+                     env=dict(PATHS['async'], SCENARIO_CONTEXTS=str(num_devices)))
     # It finished, with finite values and the forward pass near nn.BatchNorm's.
     # (53 float32 layers deep on 2x2 images, rounding differences grow
     # chaotically, most in backward: against nn.BatchNorm on one context, the
@@ -258,6 +287,6 @@ def test_deep_stack_does_not_deadlock_on_the_gpu_path(hybridize):
 @pytest.mark.parametrize('hybridize', [True, False])
 def test_converted_resnet50_does_not_deadlock_on_four_contexts(hybridize):
     r = run_scenario('resnet50_converted', timeout=420, num_devices=4, hybridize=hybridize,
-                     env={OPERATOR_VARIABLE: 'native'})
+                     env=PATHS['async'])
     assert r['num_syncbn'] == 53
     assert r['finite'] == 1.0 and r['replicas_identical'] == 1.0, r

@@ -17,13 +17,20 @@ asynchronous operator at load, the exchange operator at the GPU path's first
 use, on two devices and once per GPU driver too. Where one fails, its layers
 run the Python operator, with one warning.
 
-``GLUON_SYNCBN_OPERATOR`` selects the implementation within one process:
+``GLUON_SYNCBN_BACKEND`` selects the backend of every layer in one process:
 
 ``auto`` (default)
-    the native operator; if it cannot be built here (no C++ compiler, no MXNet
-    headers), the Python operator, with one warning saying why;
-``native``
-    the native operator, or an error saying why it cannot be built;
+    the asynchronous operator on CPU contexts, the exchange operator on GPUs;
+    where the one a layer needs cannot be had (no C++ compiler, no MXNet
+    headers, a failed self-test), the Python operator, with one warning
+    saying why;
+``async``
+    the asynchronous operator, or an error saying why it cannot be had (and
+    for layers on GPUs, which it cannot run);
+``exchange``
+    the exchange operator, on CPU contexts too (they then take the GPUs' path:
+    MXNet's operators compute the moments), or an error saying why it cannot
+    be had;
 ``python``
     the Python operator (``gluon_syncbn.op``) for every layer. The library is
     still built and loaded where it can be, quietly, for the step session and
@@ -53,11 +60,14 @@ import warnings
 
 from ..errors import SyncBatchNormError
 
-__all__ = ['load', 'implementation', 'async_operator', 'exchange_operator']
+__all__ = ['load', 'requested_backend', 'choose_operator', 'async_operator',
+           'exchange_operator']
 
 ASYNC_OP = '_gluon_syncbn_sync'
 EXCHANGE_OP = '_gluon_syncbn_exchange'
-IMPLEMENTATION_VARIABLE = 'GLUON_SYNCBN_OPERATOR'
+BACKEND_VARIABLE = 'GLUON_SYNCBN_BACKEND'
+BACKENDS = ('auto', 'async', 'exchange', 'python')
+RENAMED_VARIABLE = 'GLUON_SYNCBN_OPERATOR'  # its values were auto, native and python
 CACHE_VARIABLE = 'GLUON_SYNCBN_CACHE'
 SELFTEST_VARIABLE = 'GLUON_SYNCBN_SELFTEST'  # set in the self-test's own process
 SOURCE_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -82,12 +92,18 @@ class NativeUnavailable(Exception):
     """The native operator cannot be built or loaded here; the message says why."""
 
 
-def implementation():
-    """``'native'``, ``'python'`` or ``'auto'``, from ``GLUON_SYNCBN_OPERATOR``."""
-    value = os.environ.get(IMPLEMENTATION_VARIABLE, 'auto').strip().lower() or 'auto'
-    if value not in ('auto', 'native', 'python'):
+def requested_backend():
+    """``'auto'``, ``'async'``, ``'exchange'`` or ``'python'``, from
+    ``GLUON_SYNCBN_BACKEND``; raises on any other value."""
+    if os.environ.get(RENAMED_VARIABLE) is not None:
         raise SyncBatchNormError(
-            '%s=%r: use auto, native or python.' % (IMPLEMENTATION_VARIABLE, value))
+            '%s is no longer read: set %s=auto, async (CPU contexts), exchange (GPUs) or '
+            'python instead, and unset %s.' % (RENAMED_VARIABLE, BACKEND_VARIABLE,
+                                               RENAMED_VARIABLE))
+    value = os.environ.get(BACKEND_VARIABLE, 'auto').strip().lower() or 'auto'
+    if value not in BACKENDS:
+        raise SyncBatchNormError('%s=%r: use %s.' % (BACKEND_VARIABLE, value,
+                                                      ', '.join(BACKENDS)))
     return value
 
 
@@ -213,11 +229,11 @@ def _declare(lib):
 def load():
     """The loaded native library, or None where it cannot be had.
 
-    Builds it on first use. Warns once when ``auto`` falls back; raises
-    :class:`SyncBatchNormError` when ``native`` was asked for and cannot be had.
-    With ``python`` no operator is registered and nothing warns.
+    Builds it on first use. Where it cannot be had, ``auto`` warns once,
+    ``async`` and ``exchange`` raise :class:`SyncBatchNormError`, and
+    ``python`` says nothing; ``python`` registers no operator.
     """
-    choice = implementation()
+    backend = requested_backend()
     if _state['lib'] is None and _state['why_not'] is None:
         try:
             path = library_path()
@@ -227,26 +243,24 @@ def load():
             _declare(lib)
             _state['lib'] = lib
             _state['path'] = path
-            if choice != 'python' and _async_works(path) and lib.gsbn_register_async() == 0:
+            if backend != 'python' and _async_works(path) and lib.gsbn_register_async() == 0:
                 from ..mxnet_private import operator_functions
                 _state['async'] = operator_functions(ASYNC_OP)
         except (NativeUnavailable, OSError) as exc:
             _state['why_not'] = str(exc)
-            if choice == 'auto':
+            if backend == 'auto':
                 warnings.warn(
-                    'gluon_syncbn: the native operator is not available (%s). Using the '
-                    'Python operator (the same results, about 10-40x the host cost per '
-                    'call). Install a C++ compiler (or set CXX), or set %s=python to '
-                    'silence this.'
-                    % (exc, IMPLEMENTATION_VARIABLE), RuntimeWarning, stacklevel=2)
-    if _state['lib'] is None and choice == 'native':
-        raise SyncBatchNormError('%s=native, but the native operator is not available: %s'
-                                 % (IMPLEMENTATION_VARIABLE, _state['why_not']))
+                    'gluon_syncbn: the native operators are not available (%s). %s Install a '
+                    'C++ compiler (or set CXX), or set %s=python to silence this.'
+                    % (exc, FALLBACK, BACKEND_VARIABLE), RuntimeWarning, stacklevel=2)
+    if _state['lib'] is None and backend in ('async', 'exchange'):
+        raise SyncBatchNormError('%s=%s, but the native library is not available: %s'
+                                 % (BACKEND_VARIABLE, backend, _state['why_not']))
     return _state['lib']
 
 
-FALLBACK = ('Its layers run the Python operator (the same results, about 10-40x the host '
-            'cost per call); set %s=python to silence this.' % IMPLEMENTATION_VARIABLE)
+FALLBACK = 'Its layers run the Python operator (the same results, about 10-40x the host ' \
+           'cost per call).'
 
 
 def _async_works(path):
@@ -254,10 +268,11 @@ def _async_works(path):
     ``selftest.py`` passed with this library, since it relies on libmxnet's
     C++ ABI (see mxnet_abi.h)."""
     verdict = _state['verdicts']['async'] = _selftest(path, 'async')
-    if verdict != 'ok':
+    if verdict != 'ok' and requested_backend() == 'auto':
         warnings.warn(
             'gluon_syncbn: the native operators failed their self-test with this MXNet '
-            'build (%s). %s' % (verdict, FALLBACK), RuntimeWarning, stacklevel=4)
+            'build (%s). %s Set %s=python to silence this.'
+            % (verdict, FALLBACK, BACKEND_VARIABLE), RuntimeWarning, stacklevel=4)
     return verdict == 'ok'
 
 
@@ -267,11 +282,11 @@ def _exchange_works(path):
     are, else two CPU contexts down the GPU path) against NumPy, once per
     library and GPU driver."""
     verdict = _state['verdicts']['exchange'] = _selftest(path, 'exchange')
-    if verdict != 'ok':
+    if verdict != 'ok' and requested_backend() == 'auto':
         warnings.warn(
             'gluon_syncbn: the GPU path\'s exchange operator failed its self-test with this '
-            'MXNet build and driver (%s). %s' % (verdict, FALLBACK), RuntimeWarning,
-            stacklevel=5)
+            'MXNet build and driver (%s). %s Set %s=python to silence this.'
+            % (verdict, FALLBACK, BACKEND_VARIABLE), RuntimeWarning, stacklevel=5)
     return verdict == 'ok'
 
 
@@ -338,32 +353,53 @@ def exchange_operator():
     return _state['exchange']
 
 
-def choose_operator(host_memory, transport):
-    """``(operator, why_python)``: the operator a group's calls take, chosen
-    here and nowhere else, once per group (``registry.SyncGroup``).
+def choose_operator(layer, devices, on_cpu, transport):
+    """``(operator, why_python)``: the operator the calls of ``layer`` (its
+    name) on ``devices`` take, chosen here and nowhere else, once per layer
+    (``registry.SyncGroup``).
 
-    ``'async'`` on CPU contexts, ``'exchange'`` on GPUs (``host_memory``
-    False), where the native library loaded and the operator passed its
-    self-test, and, across processes, where ``transport`` has a native twin
+    ``auto`` takes the asynchronous operator (``'async'``) on CPU contexts
+    (``on_cpu``, see :func:`gluon_syncbn.engine.in_host_memory`) and the
+    exchange operator (``'exchange'``) on GPUs, where it loaded and passed its
+    self-test and, across processes, where ``transport`` has a native twin
     (:mod:`gluon_syncbn.transport`); else ``'python'``, with the reason in
-    ``why_python`` ('' for a native operator).
+    ``why_python`` ('' for a native operator). ``async`` and ``exchange``
+    raise :class:`SyncBatchNormError` with that reason instead.
     """
-    if implementation() == 'python':
-        return 'python', '%s=python' % IMPLEMENTATION_VARIABLE
-    kind = 'async' if host_memory else 'exchange'
-    functions = async_operator() if host_memory else exchange_operator()
+    backend = requested_backend()
+    if backend == 'python':
+        return 'python', '%s=python' % BACKEND_VARIABLE
+    kind = backend if backend != 'auto' else ('async' if on_cpu else 'exchange')
+    if kind == 'async' and not on_cpu:
+        why = ('the asynchronous operator runs on CPU contexts only, and this layer runs on '
+               '%s' % ', '.join(devices))
+    else:
+        why = _why_not(kind, transport)
+    if not why:
+        return kind, ''
+    if backend == 'auto':
+        return 'python', why
+    raise SyncBatchNormError(
+        "SyncBatchNorm '%s': %s=%s, but %s. Unset %s to let the library choose (it falls "
+        "back to the Python operator)." % (layer, BACKEND_VARIABLE, backend, why,
+                                           BACKEND_VARIABLE))
+
+
+def _why_not(kind, transport):
+    """'' if the ``kind`` operator can run a layer over ``transport``, else why not."""
+    functions = async_operator() if kind == 'async' else exchange_operator()
     if functions is None:
         if _state['why_not']:
-            return 'python', _state['why_not']
+            return _state['why_not']
         # The exchange operator is registered only beside the asynchronous one.
         failed = kind if kind in _state['verdicts'] else 'async'
         verdict = _state['verdicts'].get(failed)
         if verdict == 'ok':
-            return 'python', "MXNet's registry refused the %s operator" % failed
-        return 'python', 'the %s operator failed its self-test: %s' % (failed, verdict)
+            return "MXNet's registry refused the %s operator" % failed
+        return 'the %s operator failed its self-test: %s' % (failed, verdict)
     if transport.cross_process and transport.make_native(_state['lib']) is None:
-        return 'python', transport.why_python
-    return kind, ''
+        return transport.why_python
+    return ''
 
 
 def async_operator():

@@ -89,7 +89,7 @@ def check_exchange(x, w, gamma, beta, eps, expected):
     if mx.context.num_gpus() >= 2:
         ctxs = [mx.gpu(0), mx.gpu(1)]
     else:
-        os.environ['GLUON_SYNCBN_DEVICE_PATH'] = '1'  # CPU contexts take the GPU path
+        os.environ[native.BACKEND_VARIABLE] = 'exchange'  # on CPU contexts too
         ctxs = [mx.cpu(0), mx.cpu(1)]
         configure_cpu_contexts(2)  # before MXNet's first operator
     for hybridize in (False, True):
