@@ -27,6 +27,7 @@ Failure rules (every wait is bounded):
 import threading
 import time
 
+from . import messages
 from .errors import SyncBatchNormError, SyncBatchNormTimeout, in_layer, record_failure
 
 __all__ = ['CallOrderBarrier', 'LocalSession']
@@ -171,13 +172,11 @@ class CallOrderBarrier(object):
     def _timeout_error(self, key, ex):
         arrived = sorted(ex.values)
         missing = [self.devices[i] for i in range(self.num_devices) if i not in ex.values]
-        what = 'forward' if key[0] == 'fwd' else 'backward'
-        return SyncBatchNormTimeout(
-            "SyncBatchNorm '%s': only %d of %d devices (%s) reached %s call #%d within %gs; "
-            "missing: %s. %s" % (
-                self.name, len(arrived), self.num_devices,
-                ', '.join(self.devices[i] for i in arrived), what, key[-1], self.timeout,
-                ', '.join(missing), self.hint))
+        return SyncBatchNormTimeout(messages.text(
+            'call_timeout', layer=self.name, arrived=len(arrived), devices=self.num_devices,
+            present=', '.join(self.devices[i] for i in arrived),
+            direction='forward' if key[0] == 'fwd' else 'backward', call=key[-1],
+            timeout=messages.number(self.timeout), missing=', '.join(missing), hint=self.hint))
 
     def _fail(self, error, which):
         """Fail the pending exchanges ``which(ex)`` selects (lock held)."""

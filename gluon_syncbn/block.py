@@ -6,6 +6,7 @@ from mxnet import autograd
 from mxnet.gluon import HybridBlock
 from mxnet.util import is_np_array, is_np_shape
 
+from . import messages
 from . import native
 from . import registry
 from .graph import LOW_PRECISION, VectorGraph
@@ -224,22 +225,17 @@ class SyncBatchNorm(HybridBlock):
                 "npx.set_np()) at the start of the program, and the slice takes part with "
                 "0 samples." % (self.name, x.shape, x.context))
         if not 2 <= x.ndim <= 5:
-            raise SyncBatchNormError(
-                "SyncBatchNorm '%s' expects input of 2 to 5 dimensions, got shape %s. "
-                "Reshape it, e.g. to (N, C, L)." % (self.name, x.shape))
+            raise SyncBatchNormError(messages.text('bad_ndim', layer=self.name, ndim=x.ndim))
         axis = self._kwargs['axis']
         if not -x.ndim <= axis < x.ndim:
-            raise SyncBatchNormError(
-                "SyncBatchNorm '%s': axis=%d is out of range for input of shape %s."
-                % (self.name, axis, x.shape))
+            raise SyncBatchNormError(messages.text('bad_axis', layer=self.name, axis=axis,
+                                                   ndim=x.ndim))
         channels = x.shape[axis]
         expected = self.gamma.shape[0] if self.gamma.shape else 0
         if expected and channels != expected:
-            raise SyncBatchNormError(
-                "SyncBatchNorm '%s': input has %d channels on axis %d (shape %s) but the "
-                "layer has in_channels=%d. Feed %d channels or build the layer with "
-                "in_channels=%d." % (self.name, channels, axis, x.shape, expected, expected,
-                                     channels))
+            raise SyncBatchNormError(messages.text('wrong_channels', layer=self.name,
+                                                   channels=channels, axis=axis,
+                                                   expected=expected))
 
     def hybrid_forward(self, F, x, gamma, beta, running_mean, running_var):
         if is_np_array():

@@ -33,6 +33,7 @@ import atexit
 import re
 import threading
 
+from . import messages
 from .errors import SyncBatchNormError, last_failure, take_failures
 from .mxnet_private import FAILED_CALL_TEXT, dtype_name
 
@@ -58,9 +59,8 @@ def _causes(message):
     wrong_channels = _CENTER_SHAPE_ERROR.search(message)
     if wrong_channels:
         layer, got, expected = wrong_channels.groups()
-        return ("SyncBatchNormError: SyncBatchNorm '%s': input has %s channels on axis 1 but "
-                "the layer has in_channels=%s. Feed %s channels or build the layer with "
-                "in_channels=%s." % (layer, got, expected, expected, got))
+        return 'SyncBatchNormError: ' + messages.text('wrong_channels', layer=layer,
+                                                      channels=got, axis=1, expected=expected)
     return ''
 
 

@@ -22,7 +22,7 @@ import numpy as np
 import mxnet as mx
 from mxnet.ndarray.ndarray import _DTYPE_MX_TO_NP
 
-from . import stats, wire
+from . import messages, stats, wire
 from .errors import SyncBatchNormError, record_failure
 from .mxnet_private import fail_custom_call, host_view
 from .registry import SESSION, get_group
@@ -152,9 +152,7 @@ class SyncBatchNormOp(mx.operator.CustomOp):
         token, call, n, mean, var = wire.unpack_info(_read(out_data[2]))
         channels = mean.size
         if call < 0:
-            raise SyncBatchNormError(
-                "SyncBatchNorm '%s': backward through a call made in inference mode; record "
-                "the forward pass under autograd.record() (train_mode=True)." % self.group.name)
+            raise SyncBatchNormError(messages.text('inference_backward', layer=self.group.name))
         m1 = _read(in_data[0])
         count = _count(in_data[3], channels)
         gamma = np.ones_like(m1) if self.fix_gamma else _read(in_data[4])
@@ -213,16 +211,15 @@ class SyncBatchNormProp(mx.operator.CustomOpProp):
         stat_shape = tuple(in_shape[0])
         ndim = tuple(in_shape[3])[0] if len(in_shape) > 3 and len(in_shape[3]) else 0
         if ndim > 0 and not 2 <= ndim <= 5:
-            self._fail_shape(group, 'expects input of 2 to 5 dimensions, got %d. Reshape '
-                             'the input, e.g. to (N, C, L).' % ndim)
+            self._fail_shape(messages.text('bad_ndim', layer=group.name, ndim=ndim))
         channels = int(np.prod(stat_shape))
-        for i, what in ((4, 'gamma'), (5, 'beta'), (6, 'running_mean'), (7, 'running_var')):
+        for i in (4, 5, 6, 7):  # gamma, beta, running_mean, running_var
             given = tuple(in_shape[i]) if i < len(in_shape) else ()
             known = given and all(d > 0 for d in given)
             if known and int(np.prod(given)) != channels:
-                self._fail_shape(group, 'input has %d channels on axis %d but %s has shape %s. '
-                                 'Set in_channels=%d or feed %d channels.'
-                                 % (channels, group.axis, what, given, channels, given[0]))
+                self._fail_shape(messages.text('wrong_channels', layer=group.name,
+                                               channels=channels, axis=group.axis,
+                                               expected=int(np.prod(given))))
         vec = (channels,)
         # residual and sqdev: one row of C sums or means per sample, or one row.
         return ([stat_shape, tuple(in_shape[1]), tuple(in_shape[2]),
@@ -231,8 +228,8 @@ class SyncBatchNormProp(mx.operator.CustomOpProp):
                 [vec, vec])
 
     @staticmethod
-    def _fail_shape(group, message):
-        exc = SyncBatchNormError("SyncBatchNorm '%s' %s" % (group.name, message))
+    def _fail_shape(message):
+        exc = SyncBatchNormError(message)
         record_failure(exc)
         SESSION.abort_all(exc)  # devices already issued would otherwise wait for this one
         raise exc
@@ -241,9 +238,7 @@ class SyncBatchNormProp(mx.operator.CustomOpProp):
         dtype = in_type[0]
         if dtype is not None and np.dtype(dtype) == np.float16:
             group = get_group(self.group_id)
-            self._fail_shape(group, 'got float16 statistics inside a hybridized graph: call '
-                             'net.cast(\'float16\') so the layer knows to compute its '
-                             'statistics in float32.')
+            self._fail_shape(messages.text('float16_statistics', layer=group.name))
         param = in_type[4] if in_type[4] is not None else np.float32
         return ([dtype] * 3 + [np.int64, param, param],
                 [dtype, dtype, np.float64],

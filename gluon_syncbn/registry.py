@@ -16,6 +16,7 @@ import threading
 
 import numpy as np
 
+from . import messages
 from . import native
 from . import wire
 from .barrier import CallOrderBarrier
@@ -120,10 +121,9 @@ class Session(object):
             self._step_dtypes[key] = (self._step, seen)
         seen[device] = dtype
         if len(set(seen.values())) > 1:
-            exc = SyncBatchNormError(
-                "SyncBatchNorm %s: devices disagree on the input dtype: %s. Cast every slice "
-                "to the same dtype." % (name, ', '.join(
-                    '%s: %s' % (d, t) for d, t in sorted(seen.items()))))
+            exc = SyncBatchNormError(messages.text(
+                'dtypes_disagree', layers=name,
+                dtypes=', '.join('%s: %s' % (d, t) for d, t in sorted(seen.items()))))
             self.abort_all(exc)
             raise exc
 
@@ -145,9 +145,8 @@ class Session(object):
     def check(self, token, layer):
         """Raise if a call of ``layer`` issued with ``token`` belongs to a failed step."""
         if token != self.token():
-            exc = SyncBatchNormError(
-                "SyncBatchNorm '%s': this call belongs to a step that failed earlier: %s"
-                % (layer, self.cause()))
+            exc = SyncBatchNormError(messages.text('stale_call', layer=layer,
+                                                   cause=self.cause()))
             record_failure(exc)
             raise exc
 
@@ -360,10 +359,8 @@ class SyncGroup(object):
         try:
             return self.devices.index(ctx)
         except ValueError:
-            raise SyncBatchNormError(
-                "SyncBatchNorm '%s' was called on %s, but its parameters live on %s. "
-                "Initialize the network on every context you feed." % (
-                    self.name, ctx, ', '.join(self.devices)))
+            raise SyncBatchNormError(messages.text(
+                'wrong_device', layer=self.name, device=ctx, devices=', '.join(self.devices)))
 
     def reduce(self, key, values):
         """The exchange ``key`` of the Python operator (see :mod:`gluon_syncbn.op`):
@@ -373,15 +370,13 @@ class SyncGroup(object):
         sizes = {i: v[0].size for i, v in values.items()}
         dtypes = {i: v[1] for i, v in values.items()}
         if len(set(sizes.values())) > 1:
-            raise SyncBatchNormError(
-                "SyncBatchNorm '%s': devices disagree on the channel count: %s. Every device "
-                "must feed the same number of channels on axis %d." % (
-                    self.name, ', '.join('%s: %d' % (self.devices[i], wire.channels_of(key[0], v[0]))
-                                         for i, v in sorted(values.items())), self.axis))
+            raise SyncBatchNormError(messages.text(
+                'channels_disagree', layer=self.name, channels=', '.join(
+                    '%s: %d' % (self.devices[i], wire.channels_of(key[0], v[0]))
+                    for i, v in sorted(values.items()))))
         if len(set(dtypes.values())) > 1:
-            raise SyncBatchNormError(
-                "SyncBatchNorm '%s': devices disagree on the input dtype: %s. Cast every "
-                "slice to the same dtype." % (self.name, ', '.join(
+            raise SyncBatchNormError(messages.text(
+                'dtypes_disagree', layers="'%s'" % self.name, dtypes=', '.join(
                     '%s: %s' % (self.devices[i], d) for i, d in sorted(dtypes.items()))))
         size = next(iter(values.values()))[0].size
         stacked = np.zeros((len(self.groups), size))  # one sum per sync group
@@ -395,18 +390,14 @@ class SyncGroup(object):
             stacked = flat[:stacked.size].reshape(stacked.shape)
             owners = flat[stacked.size:]
             if owners.size and not (owners == 1).all():
-                raise SyncBatchNormError(
-                    "SyncBatchNorm '%s': the workers disagree on the global device numbering "
-                    "of sync_groups (devices owned by no worker or by several: %s). Every "
-                    "worker must use the same number of devices." % (
-                        self.name, [d for d, c in enumerate(owners) if c != 1]))
+                raise SyncBatchNormError(messages.text(
+                    'numbering_disagrees', layer=self.name,
+                    devices=', '.join(str(d) for d, c in enumerate(owners) if c != 1)))
         for g in sorted(set(self.subgroup_of)):
             if key[0] == 'fwd' and stacked[g][0] <= 0:  # FORWARD: n
-                raise SyncBatchNormError(
-                    "SyncBatchNorm '%s': every device's slice of this batch is empty%s; there "
-                    "is nothing to normalize. Skip empty batches." % (
-                        self.name, ' in sync group %s' % self.groups[g]
-                        if len(self.groups) > 1 else ''))
+                raise SyncBatchNormError(messages.text(
+                    'empty_batch', layer=self.name, where=messages.text('in_sync_group', group=g)
+                    if len(self.groups) > 1 else ''))
         return stacked
 
 
@@ -420,9 +411,7 @@ def get_group(group_id):
     with _lock:
         group = _groups.get(group_id)
     if group is None:
-        raise SyncBatchNormError(
-            'SyncBatchNorm group %r is unknown: the layer was deleted or its graph was '
-            'loaded into another process. Use revert_model() before export.' % group_id)
+        raise SyncBatchNormError(messages.text('unknown_group', group=group_id))
     return group
 
 

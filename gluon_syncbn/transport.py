@@ -42,7 +42,7 @@ import weakref
 
 import numpy as np
 
-from . import wire
+from . import messages, wire
 from .errors import SyncBatchNormError, SyncBatchNormTimeout, record_failure
 
 __all__ = ['LocalTransport', 'KVStoreTransport', 'HorovodTransport', 'make_transport']
@@ -87,7 +87,7 @@ class _CrossProcessTransport(object):
     def __init__(self):
         self._lock = threading.RLock()
         self._slots = {}
-        self._layers = {}  # slot -> name for messages
+        self._layers = {}  # slot -> layer name, for messages
         self._broken = None
         self.exit_grace = float(os.environ.get('GLUON_SYNCBN_EXIT_GRACE', DEFAULT_EXIT_GRACE))
         self.native = None  # the native twin's id, once made
@@ -116,7 +116,7 @@ class _CrossProcessTransport(object):
             return
         with self._lock:
             slot = len(self._slots)
-            self._layers[slot] = "'%s' (slot %d)" % (layer_name, slot)
+            self._layers[slot] = layer_name
             self._init_slot(slot, wire.CHECKS + forward_len, wire.CHECKS + backward_len)
             self._slots[group_id] = slot
 
@@ -128,10 +128,8 @@ class _CrossProcessTransport(object):
         direction, call = key[0], key[-1]
         slot = self._slots.get(group_id)
         if slot is None:
-            raise SyncBatchNormError(
-                'SyncBatchNorm: layer %s has no %s slot: its first call was not issued from '
-                'the main thread; this is a bug in gluon_syncbn, please report it.'
-                % (group_id, self.name))
+            raise SyncBatchNormError(messages.text('no_slot', layer=group_id,
+                                                   transport=self.name))
         payload = wire.pack_checked(channels, call, vector)
         checks = payload[:wire.CHECKS]
         try:
@@ -141,10 +139,9 @@ class _CrossProcessTransport(object):
         except SyncBatchNormError as exc:
             raise self._fatal(exc)
         except Exception as exc:  # pylint: disable=broad-except
-            raise self._fatal(SyncBatchNormError(
-                'SyncBatchNorm: the %s reduction of layer %s failed in %s: %s: %s. '
-                'Another worker probably died; see its log.' % (
-                    direction, self._layers[slot], self.name, type(exc).__name__, exc)))
+            raise self._fatal(SyncBatchNormError(messages.text(
+                'reduction_failed', direction=direction, layer=self._layers[slot], slot=slot,
+                transport=self.name, why='%s: %s' % (type(exc).__name__, exc))))
         got, total = wire.unpack_checked(total)
         expected = checks * self.num_workers
         if not np.array_equal(got, expected):
@@ -153,16 +150,12 @@ class _CrossProcessTransport(object):
         return total
 
     def _mismatch_message(self, direction, slot, checks, got, expected):
-        where = 'SyncBatchNorm: at the %s reduction of layer %s, the %d workers\' ' \
-                'check numbers add up to %s instead of %s (channels, call number). ' % (
-                    direction, self._layers[slot], self.num_workers, got.tolist(),
-                    expected.tolist())
-        if not np.array_equal(got, np.round(got)):
-            return where + ('The kvstore changed our sums: it applies an optimizer to every '
-                            'key. Create the Trainer with update_on_kvstore=False.')
-        return where + ('The workers are out of step (this worker: %d channels, call #%d): '
-                        'every worker must run the same network and call it the same number '
-                        'of times.' % (checks[0], checks[1]))
+        advice = (messages.text('kvstore_optimizer') if not np.array_equal(got, np.round(got))
+                  else messages.text('out_of_step', channels=int(checks[0]),
+                                     call=int(checks[1])))
+        return messages.text('checks_mismatch', direction=direction, layer=self._layers[slot],
+                             slot=slot, workers=self.num_workers, got=messages.numbers(got),
+                             expected=messages.numbers(expected), advice=advice)
 
     def _bounded(self, wait, timeout, direction, call, slot):
         """Run ``wait()`` on a helper thread; give up after ``timeout`` seconds."""
@@ -180,13 +173,10 @@ class _CrossProcessTransport(object):
         # process alive. It costs ~0.1 ms next to a ~1 ms reduction.
         threading.Thread(target=run, name='gluon_syncbn-wait', daemon=True).start()
         if not done.wait(timeout):
-            raise SyncBatchNormTimeout(
-                'SyncBatchNorm: worker %d of %d waited %gs for the other workers at the %s '
-                'reduction #%d of layer %s (%s). A worker died, hangs, or runs a '
-                'different number of training calls; see the other workers\' logs. Raise '
-                'timeout= (or GLUON_SYNCBN_TIMEOUT) if a worker is just slow.' % (
-                    self.rank, self.num_workers, timeout, direction, call,
-                    self._layers[slot], self.name))
+            raise SyncBatchNormTimeout(messages.text(
+                'remote_timeout', rank=self.rank, workers=self.num_workers,
+                timeout=messages.number(timeout), direction=direction, call=call,
+                layer=self._layers[slot], slot=slot, transport=self.name))
         if 'error' in box:
             raise box['error']
         return np.asarray(box['value'], dtype=np.float64).ravel()
@@ -195,10 +185,8 @@ class _CrossProcessTransport(object):
         """Mark the transport broken and make sure the process ends."""
         with self._lock:
             if self._broken is None:
-                self._broken = SyncBatchNormError(
-                    'SyncBatchNorm: cross-process synchronization was lost earlier and '
-                    'cannot resume (pending %s reductions cannot be cancelled): %s'
-                    % (self.name, exc))
+                self._broken = SyncBatchNormError(messages.text('broken', transport=self.name,
+                                                                cause=exc))
                 self._on_fatal(exc)
         record_failure(exc)
         return exc
@@ -210,31 +198,27 @@ class _CrossProcessTransport(object):
         ps-lite's finalize barrier at exit) would wait forever for operations and
         workers that are gone.
         """
-        atexit.register(_end_process, _EXIT_MESSAGE % (self.rank, 'exits after', exc))
+        atexit.register(_end_process, messages.text('exit_after', rank=self.rank, cause=exc))
 
         def end_later():
             time.sleep(self.exit_grace)
-            _end_process(_EXIT_MESSAGE % (self.rank, 'did not exit within %gs of'
-                                          % self.exit_grace, exc))
+            _end_process(messages.text('exit_late', rank=self.rank,
+                                       grace=messages.number(self.exit_grace), cause=exc))
         threading.Thread(target=end_later, name='gluon_syncbn-exit', daemon=True).start()
 
     def fail_on_abort(self, cause):
         """A step aborted in this process: the other workers now wait for sums we
         will not send, and the call numbering no longer lines up. Fatal."""
         if self._slots and self._broken is None:
-            self._fatal(SyncBatchNormError('a SyncBatchNorm step failed on worker %d: %s'
-                                           % (self.rank, cause)))
-
-
-# How a worker says it ends after a fatal failure; native/session.h's
-# fatal_locked prints the "did not exit within" form too.
-_EXIT_MESSAGE = 'gluon_syncbn: worker %d %s a failed cross-process reduction: %s'
+            self._fatal(SyncBatchNormError(messages.text('worker_step_failed', rank=self.rank,
+                                                         cause=cause)))
 
 
 def _exit_if_broken(lib, rank):
     buf = ctypes.create_string_buffer(1 << 14)
     if lib.gsbn_broken(buf, len(buf)):
-        _end_process(_EXIT_MESSAGE % (rank, 'exits after', buf.value.decode('utf-8', 'replace')))
+        _end_process(messages.text('exit_after', rank=rank,
+                                   cause=buf.value.decode('utf-8', 'replace')))
 
 
 def _end_process(message):

@@ -58,6 +58,7 @@ import sys
 import tempfile
 import warnings
 
+from .. import messages
 from ..errors import SyncBatchNormError
 
 __all__ = ['load', 'requested_backend', 'choose_operator', 'async_operator',
@@ -241,6 +242,7 @@ def load():
                 build(path)
             lib = ctypes.CDLL(path)
             _declare(lib)
+            messages.install(lib)
             _state['lib'] = lib
             _state['path'] = path
             if backend != 'python' and _async_works(path) and lib.gsbn_register_async() == 0:

@@ -284,20 +284,20 @@ int64_t infer_channels(const Params& p, const mxnet::TShape& data, mxnet::ShapeV
                        int first, int* axis_out) {
   const int ndim = data.ndim();
   std::string name = layer_name(p);
-  CHECK(ndim >= 2 && ndim <= 5) << "SyncBatchNorm '" << name << "' expects input of 2 to 5 "
-      "dimensions, got " << ndim << ". Reshape the input, e.g. to (N, C, L).";
+  CHECK(ndim >= 2 && ndim <= 5) << message("bad_ndim", {{"layer", name},
+                                                        {"ndim", std::to_string(ndim)}});
   const int axis = p.axis < 0 ? p.axis + ndim : p.axis;
-  CHECK(axis >= 0 && axis < ndim) << "SyncBatchNorm '" << name << "': axis=" << p.axis
-      << " is out of range for input of " << ndim << " dimensions.";
+  CHECK(axis >= 0 && axis < ndim) << message("bad_axis", {{"layer", name},
+                                                          {"axis", std::to_string(p.axis)},
+                                                          {"ndim", std::to_string(ndim)}});
   const int64_t channels = data[axis];
-  const char* names[] = {"gamma", "beta", "running_mean", "running_var"};
   for (int i = 0; i < 4; ++i) {
     const mxnet::TShape& s = (*in)[first + i];
     if (mxnet::ndim_is_known(s) && s.ndim() == 1 && s[0] > 0 && s[0] != channels && channels > 0)
-      LOG(FATAL) << "SyncBatchNorm '" << name << "': input has " << channels
-                 << " channels on axis " << p.axis << " but " << names[i] << " has shape ("
-                 << s[0] << ",). Set in_channels=" << channels << " or feed " << s[0]
-                 << " channels.";
+      LOG(FATAL) << message("wrong_channels", {{"layer", name},
+                                              {"channels", std::to_string(channels)},
+                                              {"axis", std::to_string(p.axis)},
+                                              {"expected", std::to_string(s[0])}});
     (*in)[first + i] = mxnet::TShape(1, channels);
   }
   *axis_out = axis;

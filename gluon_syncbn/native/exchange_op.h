@@ -501,9 +501,8 @@ bool exchange_infer_type(const nnvm::NodeAttrs& attrs, std::vector<int>* in,
                          std::vector<int>* out) {
   const int stat = (*in)[0];
   if (stat < 0) return false;
-  CHECK(stat != kFloat16) << "SyncBatchNorm '" << layer_name(node_params(attrs))
-      << "' got float16 statistics inside a hybridized graph: call net.cast('float16') so "
-         "the layer knows to compute its statistics in float32.";
+  CHECK(stat != kFloat16) << message("float16_statistics",
+                                     {{"layer", layer_name(node_params(attrs))}});
   if ((*in)[1] < 0) (*in)[1] = stat;  // data: its shape only
   const int param = (*in)[2] >= 0 ? (*in)[2] : stat;
   for (int i = 2; i < 6; ++i) (*in)[i] = param;

@@ -51,8 +51,7 @@ struct Op {
 
 // Why a backward call cannot be: its forward ran in inference mode.
 std::string inference_backward(const std::string& layer) {
-  return "SyncBatchNorm '" + layer + "': backward through a call made in inference mode; "
-         "record the forward pass under autograd.record() (train_mode=True).";
+  return message("inference_backward", {{"layer", layer}});
 }
 
 std::string layer_name(const Params& p) {
@@ -65,8 +64,8 @@ std::string layer_name(const Params& p) {
 int device_index(const Group& g, const std::string& ctx, std::string* error) {
   for (size_t i = 0; i < g.devices.size(); ++i)
     if (g.devices[i] == ctx) return static_cast<int>(i);
-  *error = "SyncBatchNorm '" + g.name + "' was called on " + ctx + ", but its parameters " +
-           "live on " + join(g.devices) + ". Initialize the network on every context you feed.";
+  *error = message("wrong_device", {{"layer", g.name}, {"device", ctx},
+                                    {"devices", join(g.devices)}});
   return -1;
 }
 

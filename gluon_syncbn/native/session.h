@@ -26,6 +26,7 @@
 #include <tuple>
 #include <vector>
 
+#include "messages.h"
 #include "transport.h"
 #include "wire.h"
 
@@ -155,8 +156,8 @@ std::string in_layer(const std::string& layer, const std::string& message) {
 // cannot cancel a pending reduction. The first one breaks the session for
 // good, and the process ends at interpreter exit (transport.py's atexit
 // hook) or `g_exit_grace` seconds from now, whichever comes first; the
-// launcher then stops the other workers. transport.py words it the same
-// for the Python operator.
+// launcher then stops the other workers, as transport.py does for the
+// Python operator.
 void fatal_locked(const std::string& cause) {
   if (!g_broken.empty()) return;
   g_broken = cause;
@@ -165,8 +166,9 @@ void fatal_locked(const std::string& cause) {
   std::thread([cause, rank, grace]() {
     std::this_thread::sleep_for(std::chrono::duration<double>(grace));
     std::fflush(stdout);
-    std::fprintf(stderr, "gluon_syncbn: worker %d did not exit within %gs of a failed "
-                 "cross-process reduction: %s\n", rank, grace, cause.c_str());
+    const std::string text = message("exit_late", {{"rank", std::to_string(rank)},
+                                                   {"grace", number(grace)}, {"cause", cause}});
+    std::fprintf(stderr, "%s\n", text.c_str());
     std::fflush(stderr);
     std::_Exit(1);
   }).detach();
@@ -177,8 +179,8 @@ void fatal_locked(const std::string& cause) {
 void abort_locked(const std::string& cause, const std::string& kind = "SyncBatchNormError",
                   bool exiting = false) {
   if (!exiting && g_remote_rank >= 0)
-    fatal_locked("a SyncBatchNorm step failed on worker " + std::to_string(g_remote_rank) +
-                 ": " + cause);
+    fatal_locked(message("worker_step_failed",
+                         {{"rank", std::to_string(g_remote_rank)}, {"cause", cause}}));
   ++g_token;
   g_cause = cause;
   for (auto& g : g_groups) {
@@ -205,8 +207,7 @@ void abort_step(const std::string& cause, bool exiting = false) {
 
 // Why a call of `layer` issued in a step that has since failed cannot run.
 std::string stale_message(const std::string& layer) {
-  return in_layer(layer, "this call belongs to a step that failed earlier: " +
-                         g_cause);
+  return message("stale_call", {{"layer", layer}, {"cause", g_cause}});
 }
 
 std::string join(const std::vector<std::string>& items, const std::vector<int>& which) {
@@ -260,9 +261,11 @@ std::string empty_batch(const Group& g, const Key& key, const std::vector<double
   const size_t size = result.size() / g.num_subgroups;
   for (int s : g.subgroup)
     if (result[s * size] <= 0)  // FORWARD: n
-      return "SyncBatchNorm '" + g.name + "': every device's slice of this batch is "
-             "empty" + (g.num_subgroups > 1 ? " in sync group " + std::to_string(s) : "") +
-             "; there is nothing to normalize. Skip empty batches.";
+      return message("empty_batch",
+                     {{"layer", g.name},
+                      {"where", g.num_subgroups > 1
+                                    ? message("in_sync_group", {{"group", std::to_string(s)}})
+                                    : ""}});
   return "";
 }
 
@@ -286,11 +289,9 @@ std::string combine_locked(Group& g, const Key& key, const std::shared_ptr<Excha
       what += (i ? ", " : "") + g.devices[i] + ": " +
               (same_size ? ex->dtypes[i] : std::to_string(channels));
     }
-    return same_size
-        ? "SyncBatchNorm '" + g.name + "': devices disagree on the input dtype: " + what +
-              ". Cast every slice to the same dtype."
-        : "SyncBatchNorm '" + g.name + "': devices disagree on the channel count: " + what +
-              ". Every device must feed the same number of channels.";
+    return same_size ? message("dtypes_disagree", {{"layers", "'" + g.name + "'"},
+                                                   {"dtypes", what}})
+                     : message("channels_disagree", {{"layer", g.name}, {"channels", what}});
   }
   // One sum per sync group, each in device order (the same rounding
   // whatever the arrival order); a device takes its group's.
@@ -312,16 +313,7 @@ std::string combine_locked(Group& g, const Key& key, const std::shared_ptr<Excha
 
 const size_t kChecks = 2;  // wire.CHECKS
 
-std::string slot_name(const Group& g) {
-  return "'" + g.name + "' (slot " + std::to_string(g.slot) + ")";
-}
-
 const char* direction_name(const Key& key) { return std::get<0>(key) == 0 ? "fwd" : "bwd"; }
-
-// "the fwd reduction of layer 'x' (slot s)", as the remote phase's messages name it.
-std::string reduction_name(const Group& g, const Key& key) {
-  return "the " + std::string(direction_name(key)) + " reduction of layer " + slot_name(g);
-}
 
 // This worker's check numbers for a reduction of vectors of `size`:
 // (channels, call number).
@@ -332,22 +324,18 @@ std::array<double, 2> own_checks(const Key& key, size_t size) {
 }
 
 std::string reduction_failed(const Group& g, const Key& key, const std::string& why) {
-  return "SyncBatchNorm: " + reduction_name(g, key) + " failed in " + g.transport->name + ": " +
-         why + ". Another worker probably died; see its log.";
+  return message("reduction_failed", {{"direction", direction_name(key)}, {"layer", g.name},
+                                      {"slot", std::to_string(g.slot)},
+                                      {"transport", g.transport->name}, {"why", why}});
 }
 
 std::string broken_message(const Group& g) {
-  return "SyncBatchNorm: cross-process synchronization was lost earlier and cannot resume "
-         "(pending " + g.transport->name + " reductions cannot be cancelled): " + g_broken;
+  return message("broken", {{"transport", g.transport->name}, {"cause", g_broken}});
 }
 
 std::string format_numbers(const double* v, size_t n) {
   std::string out = "[";
-  char number[32];
-  for (size_t i = 0; i < n; ++i) {
-    std::snprintf(number, sizeof(number), "%s%g", i ? ", " : "", v[i]);
-    out += number;
-  }
+  for (size_t i = 0; i < n; ++i) out += (i ? ", " : "") + number(v[i]);
   return out + "]";
 }
 
@@ -360,9 +348,7 @@ void complete_remote(const std::shared_ptr<Group>& g, const Key& key,
 std::string start_remote_locked(Group& g, const Key& key, const std::shared_ptr<Exchange>& ex) {
   if (!g_broken.empty()) return broken_message(g);
   if (g.slot < 0)
-    return "SyncBatchNorm '" + g.name + "' has no slot in " + g.transport->name + ": its "
-           "first call was not issued from the main thread; this is a bug in gluon_syncbn, "
-           "please report it.";
+    return message("no_slot", {{"layer", g.name}, {"transport", g.transport->name}});
   const int dir = std::get<0>(key);
   const std::array<double, 2> checks = own_checks(key, ex->values[0].size());
   std::vector<double> payload(checks.begin(), checks.end());
@@ -393,24 +379,25 @@ std::string check_remote_locked(const Group& g, const Key& key, Exchange& ex,
   const std::array<double, 2> own = own_checks(key, size);
   const double expected[2] = {own[0] * t.workers, own[1] * t.workers};
   if (total.size() != kChecks + rows + g.ownership.size())
-    return "SyncBatchNorm: " + reduction_name(g, key) + " came back from " + t.name + " with " +
-           std::to_string(total.size()) + " numbers instead of " +
+    return "SyncBatchNorm: the " + std::string(direction_name(key)) + " reduction of layer '" +
+           g.name + "' (slot " + std::to_string(g.slot) + ") came back from " + t.name +
+           " with " + std::to_string(total.size()) + " numbers instead of " +
            std::to_string(kChecks + rows + g.ownership.size()) + "; this is a bug in "
            "gluon_syncbn, please report it.";
   if (t.workers > 1 && total[0] == own[0] && total[1] == own[1])
     return reduction_failed(g, key, "no sum came back (the engine reported an error on it)");
   if (total[0] != expected[0] || total[1] != expected[1]) {
-    const std::string where =
-        "SyncBatchNorm: at " + reduction_name(g, key) + ", the " + std::to_string(t.workers) +
-        " workers' check numbers add up to " + format_numbers(total.data(), 2) + " instead of " +
-        format_numbers(expected, 2) + " (channels, call number). ";
-    if (total[0] != std::round(total[0]) || total[1] != std::round(total[1]))
-      return where + "The kvstore changed our sums: it applies an optimizer to every key. "
-                     "Create the Trainer with update_on_kvstore=False.";
-    return where + "The workers are out of step (this worker: " +
-           std::to_string(static_cast<int64_t>(own[0])) + " channels, call #" +
-           std::to_string(static_cast<int64_t>(own[1])) + "): every worker must run the "
-           "same network and call it the same number of times.";
+    const bool changed = total[0] != std::round(total[0]) || total[1] != std::round(total[1]);
+    const std::string advice =
+        changed ? message("kvstore_optimizer", {})
+                : message("out_of_step",
+                          {{"channels", std::to_string(static_cast<int64_t>(own[0]))},
+                           {"call", std::to_string(static_cast<int64_t>(own[1]))}});
+    return message("checks_mismatch",
+                   {{"direction", direction_name(key)}, {"layer", g.name},
+                    {"slot", std::to_string(g.slot)}, {"workers", std::to_string(t.workers)},
+                    {"got", format_numbers(total.data(), 2)},
+                    {"expected", format_numbers(expected, 2)}, {"advice", advice}});
   }
   std::vector<int> clashes;
   for (size_t i = 0; i < g.ownership.size(); ++i)
@@ -418,9 +405,7 @@ std::string check_remote_locked(const Group& g, const Key& key, Exchange& ex,
   if (!clashes.empty()) {
     std::string which;
     for (int d : clashes) which += (which.empty() ? "" : ", ") + std::to_string(d);
-    return "SyncBatchNorm '" + g.name + "': the workers disagree on the global device "
-           "numbering of sync_groups (devices owned by no worker or by several: [" + which +
-           "]). Every worker must use the same number of devices.";
+    return message("numbering_disagrees", {{"layer", g.name}, {"devices", which}});
   }
   ex.result.assign(total.begin() + kChecks, total.begin() + kChecks + rows);
   return empty_batch(g, key, ex.result);
@@ -477,25 +462,23 @@ bool attach_remote(Group& g, int64_t channels, std::string* error) {
 }
 
 std::string timeout_message(const Group& g, const Key& key, const Exchange& ex) {
-  if (ex.remote) {
-    char head[128];
-    std::snprintf(head, sizeof(head), "SyncBatchNorm: worker %d of %d waited %gs",
-                  g.transport->rank, g.transport->workers, g.timeout);
-    return head + std::string(" for the other workers at the ") + direction_name(key) +
-           " reduction #" + std::to_string(std::get<2>(key)) + " of layer " + slot_name(g) +
-           " (" + g.transport->name + "). A worker died, hangs, or runs a different number "
-           "of training calls; see the other workers' logs. Raise timeout= (or "
-           "GLUON_SYNCBN_TIMEOUT) if a worker is just slow.";
-  }
+  const std::string call = std::to_string(std::get<2>(key));
+  if (ex.remote)
+    return message("remote_timeout",
+                   {{"rank", std::to_string(g.transport->rank)},
+                    {"workers", std::to_string(g.transport->workers)},
+                    {"timeout", number(g.timeout)}, {"direction", direction_name(key)},
+                    {"call", call}, {"layer", g.name}, {"slot", std::to_string(g.slot)},
+                    {"transport", g.transport->name}});
   const int n = static_cast<int>(g.devices.size());
   std::vector<int> arrived, missing;
   for (int i = 0; i < n; ++i) (ex.values[i].empty() ? missing : arrived).push_back(i);
-  char head[256];
-  std::snprintf(head, sizeof(head), "only %d of %d devices (", ex.arrived, n);
-  return "SyncBatchNorm '" + g.name + "': " + head + join(g.devices, arrived) + ") reached " +
-         (std::get<0>(key) == 0 ? "forward" : "backward") + " call #" +
-         std::to_string(std::get<2>(key)) + " within " + std::to_string(g.timeout) +
-         "s; missing: " + join(g.devices, missing) + ". " + g.hint;
+  return message("call_timeout",
+                 {{"layer", g.name}, {"arrived", std::to_string(ex.arrived)},
+                  {"devices", std::to_string(n)}, {"present", join(g.devices, arrived)},
+                  {"direction", std::get<0>(key) == 0 ? "forward" : "backward"},
+                  {"call", call}, {"timeout", number(g.timeout)},
+                  {"missing", join(g.devices, missing)}, {"hint", g.hint}});
 }
 
 // ------------------------------------------------------------- watchdog --
@@ -572,8 +555,7 @@ std::shared_ptr<Group> find_group(const std::string& id, std::string* error) {
   std::lock_guard<std::mutex> lock(g_mutex);
   auto it = g_groups.find(id);
   if (it != g_groups.end()) return it->second;
-  *error = "SyncBatchNorm group '" + id + "' is unknown: the layer was deleted or its graph "
-           "was loaded into another process. Use revert_model() before export.";
+  *error = message("unknown_group", {{"group", id}});
   return nullptr;
 }
 

@@ -19,6 +19,8 @@
 //   stats.h       the maths in float64: whole calls, and per-channel vectors
 //                 (gluon_syncbn/stats.py's functions, same names).
 //   wire.h        the exchanged vectors' layouts (gluon_syncbn/wire.py's).
+//   messages.h    the wording of failures both languages report
+//                 (gluon_syncbn/messages.py's templates).
 //   arrays.h      reading and writing host arrays as the dtypes they have.
 //   operator.h    arguments and instances of the two operators.
 //   failures.h    how failed operations complete (MXNet's unlocked error list),
@@ -45,6 +47,10 @@
 // Loaded with ctypes by gluon_syncbn/native/__init__.py. Strings are UTF-8.
 
 extern "C" {
+
+// Sets the wording of message `name` (gluon_syncbn/messages.py's templates;
+// messages.h), before any operator is registered.
+void gsbn_set_message(const char* name, const char* text) { message_templates()[name] = text; }
 
 // Registers the asynchronous operator (_gluon_syncbn_sync); 0 on success.
 int gsbn_register_async() {

@@ -1,0 +1,114 @@
+"""The wording of every failure that both the Python operator and the native
+library report, in one place.
+
+A template's fields are ``{name}``; values arrive formatted (numbers with
+``%g``, lists joined with ', '). Python fills them in with :func:`text`; the
+native library gets the templates when it loads (:func:`install`) and fills
+them in the same way (``native/messages.h``), so a message reads the same
+whichever backend raised it.
+"""
+import ctypes
+
+__all__ = ['text', 'install', 'number', 'numbers']
+
+TEMPLATES = {
+    # A call's input.
+    'bad_ndim':
+        "SyncBatchNorm '{layer}' expects input of 2 to 5 dimensions, got {ndim}. Reshape it, "
+        "e.g. to (N, C, L).",
+    'bad_axis':
+        "SyncBatchNorm '{layer}': axis={axis} is out of range for input of {ndim} dimensions.",
+    'wrong_channels':
+        "SyncBatchNorm '{layer}': input has {channels} channels on axis {axis} but the layer "
+        "has in_channels={expected}. Feed {expected} channels or build the layer with "
+        "in_channels={channels}.",
+    'float16_statistics':
+        "SyncBatchNorm '{layer}' got float16 statistics inside a hybridized graph: call "
+        "net.cast('float16') so the layer knows to compute its statistics in float32.",
+    # A layer's devices, in one process.
+    'wrong_device':
+        "SyncBatchNorm '{layer}' was called on {device}, but its parameters live on {devices}. "
+        "Initialize the network on every context you feed.",
+    'unknown_group':
+        "SyncBatchNorm group '{group}' is unknown: the layer was deleted or its graph was "
+        "loaded into another process. Use revert_model() before export.",
+    'dtypes_disagree':
+        "SyncBatchNorm {layers}: devices disagree on the input dtype: {dtypes}. Cast every "
+        "slice to the same dtype.",
+    'channels_disagree':
+        "SyncBatchNorm '{layer}': devices disagree on the channel count: {channels}. Every "
+        "device must feed the same number of channels.",
+    'empty_batch':
+        "SyncBatchNorm '{layer}': every device's slice of this batch is empty{where}; there is "
+        "nothing to normalize. Skip empty batches.",
+    'in_sync_group': " in sync group {group}",
+    'call_timeout':
+        "SyncBatchNorm '{layer}': only {arrived} of {devices} devices ({present}) reached "
+        "{direction} call #{call} within {timeout}s; missing: {missing}. {hint}",
+    'stale_call':
+        "SyncBatchNorm '{layer}': this call belongs to a step that failed earlier: {cause}",
+    'inference_backward':
+        "SyncBatchNorm '{layer}': backward through a call made in inference mode; record the "
+        "forward pass under autograd.record() (train_mode=True).",
+    # Across processes (the remote phase): a layer's reduction is named
+    # "the fwd reduction of layer 'x' (slot 3)".
+    'no_slot':
+        "SyncBatchNorm '{layer}' has no slot in {transport}: its first call was not issued "
+        "from the main thread; this is a bug in gluon_syncbn, please report it.",
+    'reduction_failed':
+        "SyncBatchNorm: the {direction} reduction of layer '{layer}' (slot {slot}) failed in "
+        "{transport}: {why}. Another worker probably died; see its log.",
+    'checks_mismatch':
+        "SyncBatchNorm: at the {direction} reduction of layer '{layer}' (slot {slot}), the "
+        "{workers} workers' check numbers add up to {got} instead of {expected} (channels, "
+        "call number). {advice}",
+    'kvstore_optimizer':
+        "The kvstore changed our sums: it applies an optimizer to every key. Create the "
+        "Trainer with update_on_kvstore=False.",
+    'out_of_step':
+        "The workers are out of step (this worker: {channels} channels, call #{call}): every "
+        "worker must run the same network and call it the same number of times.",
+    'numbering_disagrees':
+        "SyncBatchNorm '{layer}': the workers disagree on the global device numbering of "
+        "sync_groups (devices owned by no worker or by several: [{devices}]). Every worker "
+        "must use the same number of devices.",
+    'remote_timeout':
+        "SyncBatchNorm: worker {rank} of {workers} waited {timeout}s for the other workers at "
+        "the {direction} reduction #{call} of layer '{layer}' (slot {slot}) ({transport}). A "
+        "worker died, hangs, or runs a different number of training calls; see the other "
+        "workers' logs. Raise timeout= (or GLUON_SYNCBN_TIMEOUT) if a worker is just slow.",
+    'broken':
+        "SyncBatchNorm: cross-process synchronization was lost earlier and cannot resume "
+        "(pending {transport} reductions cannot be cancelled): {cause}",
+    'worker_step_failed': "a SyncBatchNorm step failed on worker {rank}: {cause}",
+    # How a worker says it ends after a fatal failure (printed, not raised).
+    'exit_after':
+        "gluon_syncbn: worker {rank} exits after a failed cross-process reduction: {cause}",
+    'exit_late':
+        "gluon_syncbn: worker {rank} did not exit within {grace}s of a failed cross-process "
+        "reduction: {cause}",
+}
+
+
+def text(name, **fields):
+    """The message ``name`` with ``fields`` filled in."""
+    return TEMPLATES[name].format(**fields)
+
+
+def number(value):
+    """A number as the native library formats it (C's ``%g``)."""
+    return '%g' % value
+
+
+def numbers(values):
+    """``[a, b]``, each number as :func:`number` formats it."""
+    return '[%s]' % ', '.join(number(v) for v in values)
+
+
+def install(lib):
+    """Hand every template to the native library ``lib`` (at load, before
+    any of its operators runs)."""
+    lib.gsbn_set_message.argtypes = [ctypes.c_char_p, ctypes.c_char_p]
+    lib.gsbn_set_message.restype = None
+    for name, template in TEMPLATES.items():
+        lib.gsbn_set_message(name.encode(), template.encode('utf-8'))

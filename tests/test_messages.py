@@ -1,0 +1,31 @@
+"""The wording shared by both languages (gluon_syncbn/messages.py): templates
+the native library can fill in as Python does."""
+import re
+import string
+
+import pytest
+
+from gluon_syncbn import messages
+
+
+def test_every_field_is_a_plain_name():
+    # native/messages.h fills in "{name}" only: no format specs, conversions
+    # or positional fields, which str.format would accept and C++ would print.
+    for name, template in messages.TEMPLATES.items():
+        for _, field, spec, conversion in string.Formatter().parse(template):
+            if field is not None:
+                assert re.fullmatch(r'[a-z]+', field) and not spec and not conversion, \
+                    (name, field, spec, conversion)
+
+
+def test_text_fills_every_field_and_refuses_a_missing_one():
+    text = messages.text('stale_call', layer='bn0', cause='device 1 raised')
+    assert text == ("SyncBatchNorm 'bn0': this call belongs to a step that failed earlier: "
+                    "device 1 raised")
+    with pytest.raises(KeyError):
+        messages.text('stale_call', layer='bn0')
+
+
+def test_numbers_read_as_the_native_library_prints_them():
+    assert messages.number(2.0) == '2' and messages.number(0.5) == '0.5'
+    assert messages.numbers([6.0, 1.0]) == '[6, 1]'
