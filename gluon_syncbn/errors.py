@@ -6,9 +6,14 @@ at the next synchronization point is MXNet's own text, not ours (see
 :mod:`gluon_syncbn.hooks` adds it to the text of that ``MXNetError``.
 """
 import collections
+import os
+import sys
 import threading
+import warnings
 
 __all__ = ['SyncBatchNormError', 'SyncBatchNormTimeout']
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 
 class SyncBatchNormError(RuntimeError):
@@ -64,3 +69,15 @@ def take_failures():
     for source in _sources:
         failures += [e for e in source() if all(str(e) != str(f) for f in failures)]
     return failures
+
+
+def warn_user(message):
+    """A ``RuntimeWarning`` located at the user's code: the first frame
+    outside gluon_syncbn and mxnet, however deep the library calls from."""
+    import mxnet  # pylint: disable=import-outside-toplevel
+    # A layer's first call arrives through Gluon's Block.__call__.
+    internal = (_PACKAGE_DIR, os.path.dirname(os.path.abspath(mxnet.__file__)) + os.sep)
+    frame, level = sys._getframe(1), 2  # pylint: disable=protected-access
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(internal):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, RuntimeWarning, stacklevel=level)

@@ -37,13 +37,12 @@ import os
 import sys
 import threading
 import time
-import warnings
 import weakref
 
 import numpy as np
 
 from . import messages, wire
-from .errors import SyncBatchNormError, SyncBatchNormTimeout, record_failure
+from .errors import SyncBatchNormError, SyncBatchNormTimeout, record_failure, warn_user
 
 __all__ = ['LocalTransport', 'KVStoreTransport', 'HorovodTransport', 'make_transport']
 
@@ -394,9 +393,8 @@ class HorovodTransport(_CrossProcessTransport):
                 'Horovod %s: the native transport calls horovod_mxnet_allreduce_async, whose C '
                 'signature it knows for Horovod %s.x only' % (horovod.__version__,
                                                              _HOROVOD_NATIVE))
-            warnings.warn('gluon_syncbn: %s; using the Python operator across processes '
-                          '(the same results, about 10x the host cost per call).'
-                          % self.why_python, RuntimeWarning, stacklevel=2)
+            warn_user('gluon_syncbn: %s; using the Python operator across processes (the '
+                      'same results, about 10x the host cost per call).' % self.why_python)
             return None
         from horovod.mxnet import mpi_ops  # pylint: disable=import-outside-toplevel
         allreduce = ctypes.cast(mpi_ops.MPI_MXNET_LIB_CTYPES.horovod_mxnet_allreduce_async,

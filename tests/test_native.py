@@ -76,6 +76,7 @@ def test_a_failed_self_test_falls_back_to_the_python_operator(tmp_path):
     assert float(reported(out, 'ERROR')) < 1e-5
     assert out.stderr.count('RuntimeWarning') == 1, out.stderr[-3000:]
     assert 'failed their self-test' in out.stderr and 'exit -11: simulated' in out.stderr
+    assert '<string>:15: RuntimeWarning' in out.stderr, out.stderr[-3000:]
     assert 'GLUON_SYNCBN_BACKEND=python to silence' in out.stderr, out.stderr[-3000:]
     quiet = python(TWO_DEVICE_STEP, GLUON_SYNCBN_CACHE=str(tmp_path),
                    GLUON_SYNCBN_BACKEND='python')
@@ -151,6 +152,8 @@ def test_without_a_compiler_falls_back_with_one_warning(tmp_path):
     assert float(reported(out, 'ERROR')) < 1e-5
     assert out.stderr.count('RuntimeWarning') == 1, out.stderr[-3000:]
     assert "no C++ compiler: '/nonexistent/c++' was not found" in out.stderr
+    # Located at the user's call of the layer, not inside the library or MXNet.
+    assert '<string>:15: RuntimeWarning' in out.stderr, out.stderr[-3000:]
     assert 'GLUON_SYNCBN_BACKEND=python to silence' in out.stderr
 
 

@@ -56,10 +56,9 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import warnings
 
 from .. import messages
-from ..errors import SyncBatchNormError
+from ..errors import SyncBatchNormError, warn_user
 
 __all__ = ['load', 'requested_backend', 'choose_operator', 'async_operator',
            'exchange_operator']
@@ -251,10 +250,10 @@ def load():
         except (NativeUnavailable, OSError) as exc:
             _state['why_not'] = str(exc)
             if backend == 'auto':
-                warnings.warn(
+                warn_user(
                     'gluon_syncbn: the native operators are not available (%s). %s Install a '
                     'C++ compiler (or set CXX), or set %s=python to silence this.'
-                    % (exc, FALLBACK, BACKEND_VARIABLE), RuntimeWarning, stacklevel=2)
+                    % (exc, FALLBACK, BACKEND_VARIABLE))
     if _state['lib'] is None and backend in ('async', 'exchange'):
         raise SyncBatchNormError('%s=%s, but the native library is not available: %s'
                                  % (BACKEND_VARIABLE, backend, _state['why_not']))
@@ -271,10 +270,9 @@ def _async_works(path):
     C++ ABI (see mxnet_abi.h)."""
     verdict = _state['verdicts']['async'] = _selftest(path, 'async')
     if verdict != 'ok' and requested_backend() == 'auto':
-        warnings.warn(
-            'gluon_syncbn: the native operators failed their self-test with this MXNet '
-            'build (%s). %s Set %s=python to silence this.'
-            % (verdict, FALLBACK, BACKEND_VARIABLE), RuntimeWarning, stacklevel=4)
+        warn_user('gluon_syncbn: the native operators failed their self-test with this MXNet '
+                  'build (%s). %s Set %s=python to silence this.'
+                  % (verdict, FALLBACK, BACKEND_VARIABLE))
     return verdict == 'ok'
 
 
@@ -285,10 +283,9 @@ def _exchange_works(path):
     library and GPU driver."""
     verdict = _state['verdicts']['exchange'] = _selftest(path, 'exchange')
     if verdict != 'ok' and requested_backend() == 'auto':
-        warnings.warn(
-            'gluon_syncbn: the GPU path\'s exchange operator failed its self-test with this '
-            'MXNet build and driver (%s). %s Set %s=python to silence this.'
-            % (verdict, FALLBACK, BACKEND_VARIABLE), RuntimeWarning, stacklevel=5)
+        warn_user('gluon_syncbn: the GPU path\'s exchange operator failed its self-test with '
+                  'this MXNet build and driver (%s). %s Set %s=python to silence this.'
+                  % (verdict, FALLBACK, BACKEND_VARIABLE))
     return verdict == 'ok'
 
 
