@@ -254,6 +254,42 @@ def test_memory_stays_flat_over_many_calls(hybridize, path, operator):
     assert float(reported(out, 'GROWTH_MB')) < 20
 
 
+# Layers made and dropped in a loop (a hyperparameter sweep): the exchange
+# operator's per-layer staging goes with its layer.
+STAGING = '''
+import gc
+import gluon_syncbn
+gluon_syncbn.configure_cpu_contexts(2)
+import mxnet as mx
+from mxnet import autograd
+from gluon_syncbn.registry import SESSION
+ctx = [mx.cpu(0), mx.cpu(1)]
+
+def train_once():
+    net = mx.gluon.nn.HybridSequential()
+    net.add(gluon_syncbn.SyncBatchNorm(in_channels=3), gluon_syncbn.SyncBatchNorm(in_channels=3))
+    net.initialize(ctx=ctx)
+    with autograd.record():
+        ys = [net(mx.nd.random.uniform(shape=(2, 3, 4), ctx=c)) for c in ctx]
+    autograd.backward(ys)
+    mx.nd.waitall()
+    print('ALIVE', net[0]._sync_group().operator, SESSION._native.gsbn_staging_layers())
+
+for _ in range(3):
+    train_once()
+    gc.collect()
+    print('GONE', SESSION._native.gsbn_staging_layers())
+'''
+
+
+def test_a_dropped_layer_frees_its_exchange_staging():
+    out = python(STAGING, **PATHS['exchange'])
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = [l for l in out.stdout.splitlines() if l.startswith(('ALIVE', 'GONE'))]
+    # Two layers on two devices while the net lives; nothing once it is gone.
+    assert lines == ['ALIVE exchange 4', 'GONE 0'] * 3, out.stdout[-2000:]
+
+
 DEEP = [(n, mode) for n in (2, 4, 8) for mode in (True, False)]
 
 

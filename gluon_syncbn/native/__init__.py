@@ -217,6 +217,8 @@ def _declare(lib):
     lib.gsbn_transport_loopback.argtypes = [c.c_int, c.c_char_p, c.c_double]
     lib.gsbn_transport_close.argtypes = [c.c_int, c.c_char_p]
     lib.gsbn_transport_close.restype = None
+    lib.gsbn_staging_layers.argtypes = []
+    lib.gsbn_staging_layers.restype = c.c_int64
     lib.gsbn_store_queued.argtypes = [c.c_int]
     lib.gsbn_store_queued.restype = c.c_int64
     for name in ('gsbn_store_acquire', 'gsbn_store_release'):

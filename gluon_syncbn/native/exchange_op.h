@@ -37,6 +37,7 @@
 // device (see Staging): each new engine variable would cost an engine
 // operation to delete.
 #pragma once
+#include <climits>
 #include <cstdio>
 #include <iterator>
 #include <map>
@@ -122,15 +123,29 @@ struct LayerStaging {
   Staging packed, running_mean, running_var, out, d_out, d_packed;
 };
 
-// The staging of a layer on a device, for as long as the process lives (like
-// the layer's engine variable).
+// The staging of every layer on every device, by (group id, device): shared
+// by the layer's states (imperative calls, each graph) until the layer is
+// gone (forget_layer_staging); a state that outlives it keeps its own.
+std::mutex& g_staging_mutex = *new std::mutex();
+auto& g_staging = *new std::map<std::pair<std::string, int>, std::shared_ptr<LayerStaging>>();
+
 std::shared_ptr<LayerStaging> layer_staging(const std::string& group_id, int device) {
-  static std::mutex& mutex = *new std::mutex();
-  static auto& all = *new std::map<std::pair<std::string, int>, std::shared_ptr<LayerStaging>>();
-  std::lock_guard<std::mutex> lock(mutex);
-  auto& staging = all[std::make_pair(group_id, device)];
+  std::lock_guard<std::mutex> lock(g_staging_mutex);
+  auto& staging = g_staging[std::make_pair(group_id, device)];
   if (!staging) staging = std::make_shared<LayerStaging>();
   return staging;
+}
+
+// The layer `group_id` was garbage-collected (gsbn_group_remove).
+void forget_layer_staging(const std::string& group_id) {
+  std::lock_guard<std::mutex> lock(g_staging_mutex);
+  g_staging.erase(g_staging.lower_bound(std::make_pair(group_id, INT_MIN)),
+                  g_staging.upper_bound(std::make_pair(group_id, INT_MAX)));
+}
+
+size_t staging_layers() {
+  std::lock_guard<std::mutex> lock(g_staging_mutex);
+  return g_staging.size();
 }
 
 struct ExchangeState {

@@ -168,10 +168,15 @@ int gsbn_broken(char* buf, int size) {
   return static_cast<int>(g_broken.size());
 }
 
+// A layer was garbage-collected: its group and its staging go.
 void gsbn_group_remove(const char* id) {
+  forget_layer_staging(id);
   std::lock_guard<std::mutex> lock(g_mutex);
   g_groups.erase(id);
 }
+
+// How many (layer, device) pairs hold exchange staging (for tests).
+int64_t gsbn_staging_layers() { return static_cast<int64_t>(staging_layers()); }
 
 uint64_t gsbn_token() {
   std::lock_guard<std::mutex> lock(g_mutex);
