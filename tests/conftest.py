@@ -17,6 +17,17 @@ class ScenarioFailed(AssertionError):
     pass
 
 
+def run_python(code, timeout=120, env=None, drop=(), cwd=ROOT):
+    """``python -c code`` in a fresh process with a deadline, as the user would
+    run it: this checkout importable, the environment plus ``env`` without the
+    variables named in ``drop``. Returns the completed process (text output)."""
+    full_env = {k: v for k, v in os.environ.items() if k not in drop}
+    full_env['PYTHONPATH'] = ROOT
+    full_env.update(env or {})
+    return subprocess.run([sys.executable, '-c', code], capture_output=True, text=True,
+                          timeout=timeout, cwd=cwd, env=full_env)
+
+
 def _run(args, timeout, env):
     full_env = dict(os.environ)
     full_env.update(env or {})

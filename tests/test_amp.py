@@ -9,13 +9,11 @@ in this net; that is the bound we hold ours to (x2).
 
 float16 (the GPU setting): outputs and input gradients within a few float16
 roundoffs of nn.BatchNorm's under the same AMP settings."""
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
-from tests.conftest import OPERATOR_PATHS, PATHS, run_scenario
+from tests.conftest import OPERATOR_PATHS, PATHS, run_python, run_scenario
 from tests.reference import max_rel_err, worst
 
 MODES = [False, True, 'static']
@@ -34,8 +32,7 @@ _BFLOAT16_CONV = (
 @pytest.fixture(scope='module')
 def bfloat16_convolutions():
     """Skip unless MXNet can run bfloat16 convolutions on this CPU."""
-    proc = subprocess.run([sys.executable, '-c', _BFLOAT16_CONV], capture_output=True,
-                          text=True, timeout=120)
+    proc = run_python(_BFLOAT16_CONV)
     if proc.returncode != 0:
         pytest.skip('MXNet cannot run bfloat16 convolutions on this CPU (MKL-DNN needs '
                     'AVX-512 for them), so bfloat16 AMP does not train here, with or without '

@@ -1,8 +1,5 @@
 """convert_model / revert_model, checkpoints both ways, export without this
 package, and model-zoo networks."""
-import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -13,7 +10,7 @@ from mxnet import gluon
 from mxnet.gluon.model_zoo import vision
 
 from gluon_syncbn import SyncBatchNorm, convert_model, revert_model
-from tests.conftest import ROOT, run_scenario
+from tests.conftest import run_python, run_scenario
 
 
 class Custom(gluon.HybridBlock):
@@ -127,9 +124,7 @@ def test_revert_then_export_loads_in_plain_mxnet(tmp_path):
             'r"{0}/model-0000.params")\n'
             'y = net(mx.nd.array(np.load(r"{0}/x.npy"))).asnumpy()\n'
             'print("MAXDIFF", np.abs(y - np.load(r"{0}/y.npy")).max())\n').format(tmp_path)
-    env = dict(os.environ, PYTHONPATH='')
-    out = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True,
-                         timeout=120, cwd=str(tmp_path), env=env)
+    out = run_python(code, env={'PYTHONPATH': ''}, cwd=str(tmp_path))
     line = [l for l in out.stdout.splitlines() if l.startswith('MAXDIFF')]
     assert line, out.stderr[-2000:]
     assert float(line[0].split()[1]) < 1e-5

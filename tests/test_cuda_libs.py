@@ -7,11 +7,10 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 
 import pytest
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, run_python
 
 CC = os.environ.get('CC') or 'gcc'
 MODULE = os.path.join(ROOT, 'gluon_syncbn', 'cuda_libs.py')
@@ -74,11 +73,8 @@ def run(code, driver=None, timeout=60, **kwargs):
                'cuda_libs = importlib.util.module_from_spec(spec)\n'
                'spec.loader.exec_module(cuda_libs)\n'
                'args = json.loads(%r)\n' % (MODULE, json.dumps(kwargs)))
-    env = dict(os.environ)
-    env['LD_LIBRARY_PATH'] = driver or ''  # only the driver the test gives, if any
-    proc = subprocess.run([sys.executable, '-c', prelude + code], capture_output=True,
-                          text=True, timeout=timeout, env=env, cwd=ROOT)
-    return proc
+    # Only the driver the test gives, if any.
+    return run_python(prelude + code, timeout, env={'LD_LIBRARY_PATH': driver or ''})
 
 
 def result(proc):
@@ -172,10 +168,8 @@ def test_import_gluon_syncbn_raises_the_clear_error(fakes, tmp_path):
     # The package preloads before it imports mxnet: MXNET_LIBRARY_PATH makes
     # MXNet's own search (and so the preload) find the stand-in GPU build,
     # and no wheel folder has NCCL.
-    env = dict(os.environ, MXNET_LIBRARY_PATH=fakes['gpu'], PYTHONPATH=ROOT,
-               LD_LIBRARY_PATH='')
-    proc = subprocess.run([sys.executable, '-c', 'import gluon_syncbn'], capture_output=True,
-                          text=True, timeout=60, env=env, cwd=str(tmp_path))
+    proc = run_python('import gluon_syncbn', 60, cwd=str(tmp_path),
+                      env={'MXNET_LIBRARY_PATH': fakes['gpu'], 'LD_LIBRARY_PATH': ''})
     assert proc.returncode != 0
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith('gluon_syncbn.cuda_libs.CudaLibraryError: gluon_syncbn: the '

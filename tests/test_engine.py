@@ -4,25 +4,21 @@ Every process here is fresh, with a deadline, and starts without MXNet's slot
 variables in its environment.
 """
 import os
-import subprocess
 import sys
 import time
 
 import pytest
 
 from gluon_syncbn import engine
-from tests.conftest import ROOT
+from tests.conftest import ROOT, run_python
 
 SLOT_VARIABLES = ('MXNET_CPU_TEMP_COPY', 'MXNET_CPU_PARALLEL_RAND_COPY',
                   'GLUON_SYNCBN_CPU_CONTEXTS')
 
 
 def python(code, timeout=120, **env):
-    clean = {k: v for k, v in os.environ.items() if k not in SLOT_VARIABLES}
-    clean.update(env, PYTHONPATH=ROOT)
     start = time.time()
-    out = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True,
-                         timeout=timeout, cwd=ROOT, env=clean)
+    out = run_python(code, timeout, env, drop=SLOT_VARIABLES)
     return out, time.time() - start
 
 

@@ -1,15 +1,12 @@
 """Bad input and faults: a clear error naming the layer and the fix, within a
 bound, and the next training step is exact again. Each case runs in its own
 subprocess with a hard deadline, once per operator (conftest.operator)."""
-import os
 import re
-import subprocess
-import sys
 import time
 
 import pytest
 
-from tests.conftest import ROOT, run_scenario
+from tests.conftest import run_python, run_scenario
 
 RECOVERED = 1e-5  # relative error of the next, correct step vs float64 maths
 
@@ -104,8 +101,7 @@ def test_interpreter_exit_does_not_wait_for_a_missing_partner():
             '    bn(mx.nd.ones((2, 3, 4, 4), ctx=mx.cpu(0)))\n'
             'time.sleep(0.5)\n')
     start = time.time()
-    subprocess.run([sys.executable, '-c', code], capture_output=True, timeout=90, cwd=ROOT,
-                   env=dict(os.environ, PYTHONPATH=ROOT))
+    run_python(code, timeout=90)
     assert time.time() - start < 30   # not the layer's 100 s timeout
 
 
@@ -130,8 +126,7 @@ def test_interpreter_exit_lets_a_healthy_last_step_finish():
             '    if step == 0:\n'
             '        mx.nd.waitall()\n'
             'print("ISSUED")\n')
-    out = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True,
-                         timeout=120, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT))
+    out = run_python(code)
     assert 'ISSUED' in out.stdout, out.stderr[-3000:]
     assert 'Error in CustomOp' not in out.stdout + out.stderr, (out.stdout + out.stderr)[-3000:]
     assert 'interpreter is exiting' not in out.stdout + out.stderr

@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, run_python
 
 WORKER = os.path.join(ROOT, 'tests', 'dist_worker.py')
 EXACT = 2e-6  # float32 against float64, as in the one-process tests
@@ -27,8 +27,7 @@ EXCHANGE = {'GLUON_SYNCBN_BACKEND': 'exchange'}
 
 def _horovod_missing():
     """None if horovod.mxnet imports (checked in a subprocess), else why not."""
-    proc = subprocess.run([sys.executable, '-c', 'import horovod.mxnet'], capture_output=True,
-                          text=True, timeout=120)
+    proc = run_python('import horovod.mxnet')
     if proc.returncode == 0:
         return None
     return ('horovod.mxnet does not import here (%s); .ci/run builds Horovod, see README'

@@ -2,12 +2,11 @@
 leaks, and no deadlock at depth. Every MXNet run is a fresh process with a
 deadline."""
 import os
-import subprocess
-import sys
 
 import pytest
 
-from tests.conftest import BACKEND_VARIABLE, DEVICE_PATH_VARIABLE, PATHS, ROOT, run_scenario
+from tests.conftest import (BACKEND_VARIABLE, DEVICE_PATH_VARIABLE, PATHS, run_python,
+                            run_scenario)
 
 # Two contexts, two steps of a 2-layer net; prints which operator ran and the
 # worst relative error of the output against float64 maths.
@@ -34,12 +33,8 @@ print('ERROR', max_rel_err(np.concatenate([y.asnumpy() for y in ys]), y64))
 
 
 def python(code, timeout=180, **env):
-    full = dict(os.environ, PYTHONPATH=ROOT)
-    for name in (BACKEND_VARIABLE, DEVICE_PATH_VARIABLE):
-        full.pop(name, None)
-    full.update(env)
-    return subprocess.run([sys.executable, '-c', code], capture_output=True, text=True,
-                          timeout=timeout, cwd=ROOT, env=full)
+    """The backend chosen by ``env`` alone (else ``auto``)."""
+    return run_python(code, timeout, env, drop=(BACKEND_VARIABLE, DEVICE_PATH_VARIABLE))
 
 
 def reported(out, key):

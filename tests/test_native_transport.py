@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from tests.conftest import PATH_OPERATOR, PATHS, _run, run_batch, run_scenario
+from tests.conftest import PATH_OPERATOR, PATHS, _run, run_batch, run_python, run_scenario
 
 EXACT = 2e-6  # float32 against float64, as in the one-process tests
 
@@ -142,13 +142,7 @@ def test_only_a_known_horovod_gets_the_native_transport(version, native):
     import importlib.util
     if importlib.util.find_spec('horovod') is None:
         pytest.skip('Horovod is not installed here (test_multiprocess.py says how)')
-    import os
-    import subprocess
-    import sys
-    from tests.conftest import ROOT
-    proc = subprocess.run([sys.executable, '-c', HOROVOD_VERSION_GATE % version], cwd=ROOT,
-                          env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True,
-                          text=True, timeout=120)
+    proc = run_python(HOROVOD_VERSION_GATE % version)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-3000:]
     if native:

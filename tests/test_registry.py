@@ -1,9 +1,6 @@
 """The registry of layers' groups: robust to garbage collection at any moment."""
-import os
-import subprocess
-import sys
 
-from tests.conftest import ROOT
+from tests.conftest import run_python
 
 
 def test_a_layer_collected_while_the_registry_is_locked_does_not_hang():
@@ -24,6 +21,5 @@ def test_a_layer_collected_while_the_registry_is_locked_does_not_hang():
             '    gc.collect()\n'
             'kept = layer()\n'
             'print("REMOVED", gone not in registry._groups, kept[1] in registry._groups)\n')
-    out = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True,
-                         timeout=60, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT))
+    out = run_python(code, timeout=60)
     assert 'REMOVED True True' in out.stdout, (out.stdout + out.stderr)[-3000:]

@@ -8,7 +8,7 @@ import sys
 import numpy as np
 import pytest
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, run_python
 
 sys.path.insert(0, os.path.join(ROOT, 'examples', 'segmentation'))
 from metrics import SegmentationMetric  # noqa: E402
@@ -105,8 +105,7 @@ def test_missing_dependency_stops_before_training(tmp_path, module, package, fla
     code = ('import runpy, sys; sys.modules[%r] = None; sys.argv = %r; '
             'runpy.run_path(%r, run_name="__main__")'
             % (module, [TRAIN, '--epochs', '1', '--save-dir', save] + flags, TRAIN))
-    out = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True,
-                         timeout=120, cwd=ROOT)
+    out = run_python(code)
     assert out.returncode != 0
     assert 'missing %s' % package in out.stderr, out.stderr[-2000:]
     assert 'pip install -e ".[examples]"' in out.stderr
