@@ -265,7 +265,9 @@ class VectorGraph(object):
             # convolution's output kept its MKL-DNN (N, C, 1, L) layout, and a
             # Pooling after the layer then failed in backward (hybridized).
             out = F.squeeze(out, axis=2)
-        return F.reshape_like(out, x) if axis == 1 else out
+        # Also where no reshape happened (axis other than 1): the head
+        # gradient enters through reshape_like, which converts its dtype.
+        return F.reshape_like(out, x)
 
     def _python_op(self, F, m1, m2, sqdev, shape, gamma, beta, running_mean, running_var,
                    static_shape, row_sums):

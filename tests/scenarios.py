@@ -164,10 +164,11 @@ def as_dtype(a, dtype):
 
 @scenario
 def head_dtypes(out_dtype='float32', heads=('float16', 'bfloat16', 'float32', 'float64'),
-                hybridize=False, sizes=(2, 3), seed=0):
+                hybridize=False, sizes=(2, 3), axis=1, seed=0):
     """Head gradients whose dtype differs from the output's (``autograd.backward``
     accepts them; AMP-style code makes them), one fresh layer per head dtype on
-    len(sizes) devices; the network is float32 or cast to ``out_dtype``.
+    len(sizes) devices, channels on ``axis``; the network is float32 or cast to
+    ``out_dtype``.
     Inputs and heads are multiples of 1/4 below 4 in magnitude, exact in every
     float dtype, so float64 maths on the same numbers (on the head as given:
     an integer head truncates them) is the reference. Returns per head dtype
@@ -177,7 +178,7 @@ def head_dtypes(out_dtype='float32', heads=('float16', 'bfloat16', 'float32', 'f
     shape = (sum(sizes), 3, 2, 3)
     results = {}
     for head in heads:
-        bn = SyncBatchNorm(in_channels=shape[1])
+        bn = SyncBatchNorm(in_channels=shape[axis], axis=axis)
         bn.initialize(ctx=ctxs)
         if out_dtype != 'float32':
             bn.cast(out_dtype)
@@ -201,7 +202,9 @@ def head_dtypes(out_dtype='float32', heads=('float16', 'bfloat16', 'float32', 'f
             _capture(mx.nd.waitall)  # the failed step's error on the other arrays
             continue
         given = np.concatenate([as_dtype(d, 'float32').asnumpy() for d in dys])
-        y64, dx64 = batchnorm_float64(x, given, np.ones(shape[1]), np.zeros(shape[1]))[:2]
+        y64, dx64 = (np.moveaxis(a, 1, axis) for a in batchnorm_float64(
+            np.moveaxis(x, axis, 1), np.moveaxis(given, axis, 1), np.ones(shape[axis]),
+            np.zeros(shape[axis]))[:2])
         results[head] = {'y': max_rel_err(y, y64), 'dx': max_rel_err(dx, dx64),
                          'dx_dtype_ok': float(all(a.grad.dtype == np.dtype(out_dtype)
                                                   for a in xs))}

@@ -3,7 +3,8 @@
 ``autograd.backward(ys, heads)`` accepts heads of any dtype (MXNet's own
 nn.BatchNorm then refuses a mismatch), and AMP-style code passes float16
 heads for float32 outputs. On every code path (conftest.PATHS), for float32
-and float64 networks, imperative, hybridized and static: a float head gives
+and float64 networks, channels on axis 1 or last, imperative, hybridized and
+static: a float head gives
 exactly the float64 maths' output and input gradient (inputs and heads are
 exact in every float dtype), in the network's dtype; an integer head is
 either used as given or refused with an error naming the layer and the dtype.
@@ -16,8 +17,9 @@ from tests.conftest import PATHS, result_of, run_batch
 
 FLOAT_HEADS = ['float16', 'bfloat16', 'float32', 'float64']
 TOLERANCE = {'float32': 1e-6, 'float64': 1e-12}  # one rounding of the output
-CASES = [dict(out_dtype=out, hybridize=mode, heads=FLOAT_HEADS + ['int32'])
-         for out in ('float32', 'float64') for mode in (False, True, 'static')]
+CASES = [dict(out_dtype=out, hybridize=mode, heads=FLOAT_HEADS + ['int32'], axis=axis)
+         for out, axis in (('float32', 1), ('float64', 1), ('float32', 3))
+         for mode in (False, True, 'static')]
 
 
 @pytest.fixture(scope='module', params=list(PATHS))
@@ -27,7 +29,7 @@ def results(request):
 
 
 @pytest.mark.parametrize('case', range(len(CASES)),
-                         ids=['%(out_dtype)s-%(hybridize)s' % c for c in CASES])
+                         ids=['%(out_dtype)s-%(hybridize)s-axis%(axis)d' % c for c in CASES])
 def test_head_of_any_float_dtype_gives_exact_gradients(results, case):
     result = result_of(results, case)
     tolerance = TOLERANCE[CASES[case]['out_dtype']]
@@ -39,7 +41,7 @@ def test_head_of_any_float_dtype_gives_exact_gradients(results, case):
 
 
 @pytest.mark.parametrize('case', range(len(CASES)),
-                         ids=['%(out_dtype)s-%(hybridize)s' % c for c in CASES])
+                         ids=['%(out_dtype)s-%(hybridize)s-axis%(axis)d' % c for c in CASES])
 def test_integer_head_is_used_as_given_or_refused_by_name(results, case):
     got = result_of(results, case)['int32']
     if 'message' in got:
