@@ -46,7 +46,7 @@ def reset():
     Not needed after the errors this library raises (it recovers by itself);
     for code that abandons a step half-way for its own reasons.
     """
-    _SESSION.abort_all()
+    _SESSION.fail_step()
     _SESSION.begin_step()
 
 

@@ -214,7 +214,7 @@ class SyncBatchNorm(HybridBlock):
             self._validate_input(x)
         except SyncBatchNormError as exc:
             # Devices issued before this one would wait for it: fail them now.
-            registry.SESSION.abort_all(exc)
+            registry.SESSION.fail_step(exc)
             raise
 
     def _validate_input(self, x):

@@ -101,7 +101,7 @@ def install_record_abort_hook(scope_class, session, is_recording, is_training):
 
     def __exit__(self, ptype, value, trace):
         if ptype is not None and session.active():
-            session.abort_all(SyncBatchNormError(
+            session.fail_step(SyncBatchNormError(
                 'the training step was abandoned: %s: %s' % (ptype.__name__, value)))
         return original_exit(self, ptype, value, trace)
 
@@ -135,7 +135,7 @@ def install_exit_abort_hook(session, waitall, drain_seconds=EXIT_DRAIN_SECONDS):
             drained.set()
         threading.Thread(target=drain, name='gluon_syncbn-exit-drain', daemon=True).start()
         if not drained.wait(drain_seconds):
-            session.abort_all(SyncBatchNormError('the Python interpreter is exiting'),
+            session.fail_step(SyncBatchNormError('the Python interpreter is exiting'),
                               exiting=True)
             drained.wait()
     atexit.register(abort_at_exit)

@@ -231,7 +231,7 @@ class SyncBatchNormProp(mx.operator.CustomOpProp):
     def _fail_shape(message):
         exc = SyncBatchNormError(message)
         record_failure(exc)
-        SESSION.abort_all(exc)  # devices already issued would otherwise wait for this one
+        SESSION.fail_step(exc)  # devices already issued would otherwise wait for this one
         raise exc
 
     def infer_type(self, in_type):

@@ -50,8 +50,13 @@ class Session(object):
     ``train_mode()`` scope is entered: see hooks) still get the old token:
     they are the rest of the failed step.
 
-    This is the one place a step fails: :meth:`abort` (and the native
-    operator's own aborts, which share its token).
+    Every source of a failure in Python (bad input, an exception leaving
+    ``record()``, a shape the Python operator refuses, interpreter exit,
+    ``reset()``) enters here through :meth:`fail_step`; a barrier, which must
+    mark the step aborted before its own waiters wake, calls its two halves,
+    :meth:`abort` and :meth:`fail_others`. The native library's own failures
+    abort the same step there (``session.h``, ``abort_locked``): once it is
+    loaded the token lives in it.
     """
 
     def __init__(self):
@@ -124,7 +129,7 @@ class Session(object):
             exc = SyncBatchNormError(messages.text(
                 'dtypes_disagree', layers=name,
                 dtypes=', '.join('%s: %s' % (d, t) for d, t in sorted(seen.items()))))
-            self.abort_all(exc)
+            self.fail_step(exc)
             raise exc
 
     def begin_step(self):
@@ -191,8 +196,9 @@ class Session(object):
         for group in groups:
             group.clear_failed_state()
 
-    def abort_all(self, cause=None, exiting=False):
-        """Abort the current step everywhere: the manual ``gluon_syncbn.reset()``."""
+    def fail_step(self, cause=None, exiting=False):
+        """The current step failed with ``cause`` (default: ``gluon_syncbn.reset()``
+        was called): abort it, and wake every waiting call of every layer."""
         if cause is None:
             cause = SyncBatchNormError('gluon_syncbn.reset() was called while this call waited.')
         self.abort(cause, exiting)
