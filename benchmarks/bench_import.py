@@ -76,7 +76,7 @@ def settings_memory(cfg):
 
 
 # ----------------------------------------------------------------- driver side
-def run(kind, cfg, timeout):
+def in_fresh_process(kind, cfg, timeout):
     """``kind(cfg)`` in a fresh process whose environment sets no MXNet slots."""
     env = {k: v for k, v in os.environ.items()
            if k not in ('MXNET_CPU_TEMP_COPY', 'MXNET_CPU_PARALLEL_RAND_COPY',
@@ -93,8 +93,8 @@ def compare_import(steps, checkpoints, rounds, timeout=1800):
     runs = {True: [], False: []}
     for _ in range(rounds):
         for imported in (False, True):
-            runs[imported].append(run('one_context_training', dict(cfg, import_first=imported),
-                                      timeout))
+            runs[imported].append(in_fresh_process(
+                'one_context_training', dict(cfg, import_first=imported), timeout))
     last = str(steps)
 
     def med(xs):
@@ -145,8 +145,8 @@ def main():
         for arch in ('small', 'resnet'):
             for n in (2, 4):
                 cfg = dict(arch=arch, n=n, steps=200, checkpoints=[20, 100, 200])
-                plain = run('settings_memory', dict(cfg, norm='plain'), 3600)
-                ours = run('settings_memory', dict(cfg, norm='ours'), 3600)
+                plain = in_fresh_process('settings_memory', dict(cfg, norm='plain'), 3600)
+                ours = in_fresh_process('settings_memory', dict(cfg, norm='ours'), 3600)
                 ran.add(ours.get('operator'))
                 raw['settings'].append({'cfg': cfg, 'plain': plain, 'ours': ours})
                 extra = ours['rss_mb']['200'] - plain['rss_mb']['200']
