@@ -7,7 +7,6 @@ native library gets the templates when it loads (:func:`install`) and fills
 them in the same way (``native/messages.h``), so a message reads the same
 whichever backend raised it.
 """
-import ctypes
 
 __all__ = ['text', 'install', 'number', 'numbers']
 
@@ -107,8 +106,7 @@ def numbers(values):
 
 def install(lib):
     """Hand every template to the native library ``lib`` (at load, before
-    any of its operators runs)."""
-    lib.gsbn_set_message.argtypes = [ctypes.c_char_p, ctypes.c_char_p]
-    lib.gsbn_set_message.restype = None
+    any of its operators runs; ``gsbn_set_message`` is declared with the
+    library's other entry points, in ``native._declare``)."""
     for name, template in TEMPLATES.items():
         lib.gsbn_set_message(name.encode(), template.encode('utf-8'))

@@ -194,6 +194,8 @@ def _declare(lib):
     c = ctypes
     lib.gsbn_register_async.argtypes = []
     lib.gsbn_register_exchange.argtypes = []
+    lib.gsbn_set_message.argtypes = [c.c_char_p, c.c_char_p]
+    lib.gsbn_set_message.restype = None
     lib.gsbn_group_create.argtypes = [c.c_char_p, c.c_char_p, c.c_char_p, c.c_int, c.c_double,
                                       c.c_char_p, c.POINTER(c.c_int), c.c_int]
     lib.gsbn_group_create.restype = None

@@ -15,9 +15,11 @@ namespace {
 
 using Fields = std::initializer_list<std::pair<const char*, std::string>>;
 
-// Written only while the library loads; read-only once operators run.
+// Written only while the library loads; read-only once operators run. Never
+// destroyed, like the session's state: the watchdog and a fatal failure's
+// exit thread may word a message while the process exits.
 std::map<std::string, std::string>& message_templates() {
-  static std::map<std::string, std::string> templates;
+  static auto& templates = *new std::map<std::string, std::string>();
   return templates;
 }
 

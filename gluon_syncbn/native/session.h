@@ -161,13 +161,12 @@ std::string in_layer(const std::string& layer, const std::string& message) {
 void fatal_locked(const std::string& cause) {
   if (!g_broken.empty()) return;
   g_broken = cause;
-  const int rank = g_remote_rank;
   const double grace = g_exit_grace;
-  std::thread([cause, rank, grace]() {
+  const std::string text = message("exit_late", {{"rank", std::to_string(g_remote_rank)},
+                                                 {"grace", number(grace)}, {"cause", cause}});
+  std::thread([text, grace]() {
     std::this_thread::sleep_for(std::chrono::duration<double>(grace));
     std::fflush(stdout);
-    const std::string text = message("exit_late", {{"rank", std::to_string(rank)},
-                                                   {"grace", number(grace)}, {"cause", cause}});
     std::fprintf(stderr, "%s\n", text.c_str());
     std::fflush(stderr);
     std::_Exit(1);
