@@ -110,17 +110,18 @@ def install_record_abort_hook(scope_class, session, is_recording, is_training):
     scope_class._gluon_syncbn_hooked = True
 
 
+# Read at exit, so that a test can shorten it.
 EXIT_DRAIN_SECONDS = 10.0
 
 
-def install_exit_abort_hook(session, waitall, drain_seconds=EXIT_DRAIN_SECONDS):
+def install_exit_abort_hook(session, waitall):
     """At interpreter exit, drain the engine; fail the calls still waiting after a while.
 
     A script that ends right after issuing its last step (no ``waitall``) still
-    has that step's calls in flight: they get ``drain_seconds`` to finish, so a
-    healthy step is never failed (which printed custom-op tracebacks). Calls
-    waiting for a partner that never comes are failed after that, and the
-    drain then ends.
+    has that step's calls in flight: they get ``EXIT_DRAIN_SECONDS`` to finish,
+    so a healthy step is never failed (which printed custom-op tracebacks).
+    Calls waiting for a partner that never comes are failed after that, and
+    the drain then ends.
     """
     def abort_at_exit():
         if not session.active():
@@ -134,7 +135,7 @@ def install_exit_abort_hook(session, waitall, drain_seconds=EXIT_DRAIN_SECONDS):
                 pass  # a failed step's error; the program is ending anyway
             drained.set()
         threading.Thread(target=drain, name='gluon_syncbn-exit-drain', daemon=True).start()
-        if not drained.wait(drain_seconds):
+        if not drained.wait(EXIT_DRAIN_SECONDS):
             session.fail_step(SyncBatchNormError('the Python interpreter is exiting'),
                               exiting=True)
             drained.wait()

@@ -2,6 +2,7 @@
 leaks, and no deadlock at depth. Every MXNet run is a fresh process with a
 deadline."""
 import os
+import shutil
 
 import pytest
 
@@ -43,6 +44,21 @@ def reported(out, key):
     return lines[0]
 
 
+@pytest.fixture
+def cache_with_library(tmp_path):
+    """A cache holding this source's library and no self-test verdict: the
+    tests that are not about building skip the compiler's 10-15 s."""
+    from gluon_syncbn import native
+    library = native.library_path()
+    if not os.path.exists(library):
+        native.build(library)
+    cache = tmp_path / 'cache'
+    folder = cache / os.path.basename(os.path.dirname(library))
+    folder.mkdir(parents=True)
+    shutil.copy2(library, folder / os.path.basename(library))
+    return cache
+
+
 def test_built_at_first_use_into_the_cache(tmp_path):
     out = python(TWO_DEVICE_STEP, GLUON_SYNCBN_CACHE=str(tmp_path))
     assert reported(out, 'OPERATOR') == 'async'
@@ -58,14 +74,14 @@ def test_built_at_first_use_into_the_cache(tmp_path):
     assert 'RuntimeWarning' not in out.stderr, out.stderr[-2000:]
 
 
-def test_a_failed_self_test_falls_back_to_the_python_operator(tmp_path):
-    first = python(TWO_DEVICE_STEP, GLUON_SYNCBN_CACHE=str(tmp_path))
+def test_a_failed_self_test_falls_back_to_the_python_operator(cache_with_library):
+    first = python(TWO_DEVICE_STEP, GLUON_SYNCBN_CACHE=str(cache_with_library))
     assert reported(first, 'OPERATOR') == 'async'
     # A build whose C++ ABI differs from the wheel's: its self-test's verdict.
-    folder = tmp_path / os.listdir(tmp_path)[0]
+    folder = cache_with_library / os.listdir(cache_with_library)[0]
     marker = [folder / name for name in os.listdir(folder) if name.endswith('.async.selftest')][0]
     marker.write_text('exit -11: simulated')
-    out = python(TWO_DEVICE_STEP, GLUON_SYNCBN_CACHE=str(tmp_path))
+    out = python(TWO_DEVICE_STEP, GLUON_SYNCBN_CACHE=str(cache_with_library))
     assert reported(out, 'OPERATOR') == 'python'
     assert 'async operator failed its self-test: exit -11: simulated' in reported(out, 'WHY')
     assert float(reported(out, 'ERROR')) < 1e-5
@@ -73,13 +89,13 @@ def test_a_failed_self_test_falls_back_to_the_python_operator(tmp_path):
     assert 'failed their self-test' in out.stderr and 'exit -11: simulated' in out.stderr
     assert '<string>:15: RuntimeWarning' in out.stderr, out.stderr[-3000:]
     assert 'GLUON_SYNCBN_BACKEND=python to silence' in out.stderr, out.stderr[-3000:]
-    quiet = python(TWO_DEVICE_STEP, GLUON_SYNCBN_CACHE=str(tmp_path),
+    quiet = python(TWO_DEVICE_STEP, GLUON_SYNCBN_CACHE=str(cache_with_library),
                    GLUON_SYNCBN_BACKEND='python')
     assert reported(quiet, 'OPERATOR') == 'python'
     assert reported(quiet, 'WHY') == "'GLUON_SYNCBN_BACKEND=python'"
     assert 'RuntimeWarning' not in quiet.stderr, quiet.stderr[-2000:]
     # Asked for by name, the operator that failed is an error, not a fallback.
-    strict = python(TWO_DEVICE_STEP, GLUON_SYNCBN_CACHE=str(tmp_path),
+    strict = python(TWO_DEVICE_STEP, GLUON_SYNCBN_CACHE=str(cache_with_library),
                     GLUON_SYNCBN_BACKEND='async')
     assert strict.returncode != 0
     assert "SyncBatchNormError: SyncBatchNorm 'syncbatchnorm0': GLUON_SYNCBN_BACKEND=async, " \
@@ -88,30 +104,30 @@ def test_a_failed_self_test_falls_back_to_the_python_operator(tmp_path):
     assert 'RuntimeWarning' not in strict.stderr, strict.stderr[-2000:]
 
 
-def test_device_path_takes_the_exchange_operator_and_its_fallback(tmp_path):
+def test_device_path_takes_the_exchange_operator_and_its_fallback(cache_with_library):
     # The GPU path (on CPU contexts): the exchange operator where the self-test
     # passed, the Python operator where it failed, with one warning; both exact.
     code = TWO_DEVICE_STEP + (
         "from gluon_syncbn import native\n"
         "print('EXCHANGE', native.exchange_operator() is not None)\n")
-    first = python(code, GLUON_SYNCBN_CACHE=str(tmp_path), GLUON_SYNCBN_DEVICE_PATH='1')
+    first = python(code, GLUON_SYNCBN_CACHE=str(cache_with_library), GLUON_SYNCBN_DEVICE_PATH='1')
     assert reported(first, 'OPERATOR') == 'exchange'
     assert reported(first, 'WHY') == "''"
     assert reported(first, 'EXCHANGE') == 'True'
     assert float(reported(first, 'ERROR')) < 1e-5
     assert 'RuntimeWarning' not in first.stderr, first.stderr[-2000:]
-    folder = tmp_path / os.listdir(tmp_path)[0]
+    folder = cache_with_library / os.listdir(cache_with_library)[0]
     marker = [folder / name for name in os.listdir(folder)
               if name.endswith('.exchange.selftest')][0]
     marker.write_text('exit -11: simulated')
-    out = python(code, GLUON_SYNCBN_CACHE=str(tmp_path), GLUON_SYNCBN_DEVICE_PATH='1')
+    out = python(code, GLUON_SYNCBN_CACHE=str(cache_with_library), GLUON_SYNCBN_DEVICE_PATH='1')
     assert reported(out, 'OPERATOR') == 'python'
     assert 'exchange operator failed its self-test: exit -11' in reported(out, 'WHY')
     assert reported(out, 'EXCHANGE') == 'False'
     assert float(reported(out, 'ERROR')) < 1e-5
     assert out.stderr.count('RuntimeWarning') == 1, out.stderr[-3000:]
     assert 'failed its self-test' in out.stderr and 'exit -11: simulated' in out.stderr
-    strict = python(code, GLUON_SYNCBN_CACHE=str(tmp_path), GLUON_SYNCBN_BACKEND='exchange')
+    strict = python(code, GLUON_SYNCBN_CACHE=str(cache_with_library), GLUON_SYNCBN_BACKEND='exchange')
     assert strict.returncode != 0
     assert "GLUON_SYNCBN_BACKEND=exchange, but the exchange operator failed its self-test: " \
         'exit -11: simulated' in strict.stderr, strict.stderr[-3000:]
@@ -162,18 +178,19 @@ def test_asking_for_a_native_backend_without_a_compiler_is_an_error(tmp_path, ba
     assert 'RuntimeWarning' not in out.stderr, out.stderr[-2000:]
 
 
-def test_python_operator_on_request_registers_nothing_and_stays_quiet(tmp_path):
-    # The library is built and loaded for the session and the Python
-    # operator's failed calls (failures.h), but registers no operator and
-    # runs no self-test; without a compiler the same, silently.
+def test_python_operator_on_request_registers_nothing_and_stays_quiet(cache_with_library,
+                                                                     tmp_path):
+    # The library is loaded for the session and the Python operator's failed
+    # calls (failures.h), but registers no operator and runs no self-test;
+    # without a compiler (nothing built) the same, silently.
     code = TWO_DEVICE_STEP + (
         "from gluon_syncbn import native\n"
         "print('NATIVE', native.load() is not None, native.async_operator() is None)\n")
-    out = python(code, GLUON_SYNCBN_CACHE=str(tmp_path / 'a'), GLUON_SYNCBN_BACKEND='python')
+    out = python(code, GLUON_SYNCBN_CACHE=str(cache_with_library), GLUON_SYNCBN_BACKEND='python')
     assert reported(out, 'OPERATOR') == 'python'
     assert float(reported(out, 'ERROR')) < 1e-5
     assert reported(out, 'NATIVE') == 'True True'
-    folder = tmp_path / 'a' / os.listdir(tmp_path / 'a')[0]
+    folder = cache_with_library / os.listdir(cache_with_library)[0]
     assert [name[-3:] for name in os.listdir(folder)] == ['.so'], os.listdir(folder)
     bare = python(code, GLUON_SYNCBN_CACHE=str(tmp_path / 'b'), GLUON_SYNCBN_BACKEND='python',
                   CXX='/nonexistent/c++')
