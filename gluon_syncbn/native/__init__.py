@@ -248,7 +248,10 @@ def load():
             messages.install(lib)
             _state['lib'] = lib
             _state['path'] = path
-            if backend != 'python' and _async_works(path) and lib.gsbn_register_async() == 0:
+            # The asynchronous operator relies on libmxnet's C++ ABI (see
+            # mxnet_abi.h): registered only where its self-test passed.
+            if backend != 'python' and _passes_selftest(path, 'async') and \
+                    lib.gsbn_register_async() == 0:
                 from ..mxnet_private import operator_functions
                 _state['async'] = operator_functions(ASYNC_OP)
         except (NativeUnavailable, OSError) as exc:
@@ -268,28 +271,22 @@ FALLBACK = 'Its layers run the Python operator (the same results, about 10-40x t
            'cost per call).'
 
 
-def _async_works(path):
-    """Whether to register the asynchronous operator: if its part of
-    ``selftest.py`` passed with this library, since it relies on libmxnet's
-    C++ ABI (see mxnet_abi.h)."""
-    verdict = _state['verdicts']['async'] = _selftest(path, 'async')
-    if verdict != 'ok' and requested_backend() == 'auto':
-        warn_user('gluon_syncbn: the native operators failed their self-test with this MXNet '
-                  'build (%s). %s Set %s=python to silence this.'
-                  % (verdict, FALLBACK, BACKEND_VARIABLE))
-    return verdict == 'ok'
+# What failed, by part of selftest.py.
+SELFTEST_FAILED = {
+    'async': 'the native operators failed their self-test with this MXNet build',
+    'exchange': "the GPU path's exchange operator failed its self-test with this MXNet build "
+                'and driver',
+}
 
 
-def _exchange_works(path):
-    """Whether the GPU path takes the exchange operator: if its part of
-    ``selftest.py`` passed: one layer on two devices (two GPUs where there
-    are, else two CPU contexts down the GPU path) against NumPy, once per
-    library and GPU driver."""
-    verdict = _state['verdicts']['exchange'] = _selftest(path, 'exchange')
+def _passes_selftest(path, part):
+    """Whether ``part`` of ``selftest.py`` passed with the library at
+    ``path`` (the verdict kept in ``_state['verdicts']``); under ``auto`` a
+    failure warns once."""
+    verdict = _state['verdicts'][part] = _selftest(path, part)
     if verdict != 'ok' and requested_backend() == 'auto':
-        warn_user('gluon_syncbn: the GPU path\'s exchange operator failed its self-test with '
-                  'this MXNet build and driver (%s). %s Set %s=python to silence this.'
-                  % (verdict, FALLBACK, BACKEND_VARIABLE))
+        warn_user('gluon_syncbn: %s (%s). %s Set %s=python to silence this.'
+                  % (SELFTEST_FAILED[part], verdict, FALLBACK, BACKEND_VARIABLE))
     return verdict == 'ok'
 
 
@@ -350,7 +347,10 @@ def exchange_operator():
     lib = load()
     if lib is not None and _state['async'] is not None and not _state['exchange_checked']:
         _state['exchange_checked'] = True
-        if _exchange_works(_state['path']) and lib.gsbn_register_exchange() == 0:
+        # Its self-test: one layer on two devices (two GPUs where there are,
+        # else two CPU contexts down the GPU path) against NumPy, once per
+        # library and GPU driver.
+        if _passes_selftest(_state['path'], 'exchange') and lib.gsbn_register_exchange() == 0:
             from ..mxnet_private import operator_functions
             _state['exchange'] = operator_functions(EXCHANGE_OP)
     return _state['exchange']
