@@ -156,8 +156,9 @@ class CallOrderBarrier(object):
                 self.session.abort(failure)
                 self._fail(failure, lambda e: True)
             ex.taken += 1
-            # A failed exchange stays until every device has passed it, so a
-            # device that arrives late fails at once instead of waiting.
+            # A failed exchange of the current step stays until every device
+            # has passed it, so a device that arrives late fails at once
+            # instead of waiting (one of an aborted step goes at once: see _fail).
             if ex.taken == self.num_devices and self._exchanges.get(key) is ex:
                 del self._exchanges[key]
             error, result = ex.error, ex.result
@@ -179,10 +180,16 @@ class CallOrderBarrier(object):
             timeout=messages.number(self.timeout), missing=', '.join(missing), hint=self.hint))
 
     def _fail(self, error, which):
-        """Fail the pending exchanges ``which(ex)`` selects (lock held)."""
-        for ex in self._exchanges.values():
+        """Fail the pending exchanges ``which(ex)`` selects, and forget
+        those of steps that are no longer current: a call of an aborted step
+        fails at its token (``session.check``) before it looks for one, and
+        a device that never calls would keep them for ever (lock held)."""
+        current = self.session.token()
+        for key, ex in list(self._exchanges.items()):
             if ex.result is None and ex.error is None and which(ex):
                 ex.error = error
+            if ex.token != current and (ex.result is not None or ex.error is not None):
+                del self._exchanges[key]
         self._cond.notify_all()
 
     def fail_pending(self, error):

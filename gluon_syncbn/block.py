@@ -12,6 +12,7 @@ from . import registry
 from .graph import LOW_PRECISION, VectorGraph
 from .transport import make_transport
 from .engine import check_cpu_contexts, is_naive_engine, mkldnn_active
+from .gpus import check_gpus
 from .mxnet_private import dtype_name
 from .errors import SyncBatchNormError
 from .groups import check_sync_groups
@@ -136,6 +137,7 @@ class SyncBatchNorm(HybridBlock):
         self._sync_groups = check_sync_groups(sync_groups)
         self._group_id = registry.new_group_id()
         self._group = None
+        self._checked_devices = None
         self._input_dtype = 'float32'
         self._static_shape = False
         self._fast_ops = False
@@ -180,9 +182,9 @@ class SyncBatchNorm(HybridBlock):
     def _devices(self):
         return [str(c) for c in self.gamma.list_ctx()]
 
-    def _sync_group(self):
-        """The registry entry for the current contexts, checked against num_devices."""
-        devices = self._devices()
+    def _check_devices(self, devices):
+        """Raise if this layer cannot run on ``devices``: checked at the first
+        training call on them, before any library work."""
         if self._num_devices is not None and self._num_devices != len(devices):
             raise SyncBatchNormError(
                 "SyncBatchNorm '%s': num_devices=%d but its parameters are initialized on %d "
@@ -190,23 +192,35 @@ class SyncBatchNorm(HybridBlock):
                 "num_devices=None, or initialize on %d contexts." % (
                     self.name, self._num_devices, len(devices), ', '.join(devices),
                     self._num_devices))
+        check_gpus(self.name, devices)
         if len(devices) > 1 and is_naive_engine():
             raise SyncBatchNormError(
                 "SyncBatchNorm '%s': MXNET_ENGINE_TYPE=NaiveEngine runs operators one at a "
                 "time, so device 0 would wait forever for device 1. Unset it (use "
                 "ThreadedEnginePerDevice) or train on one device." % self.name)
+        self._checked_devices = devices
+
+    def _sync_group(self, devices=None):
+        """The registry entry for ``devices`` (default: the parameters'
+        contexts), created at the first call on them, once, whichever of the
+        devices' threads comes first."""
+        devices = devices or self._devices()
         group = self._group
-        if group is None or group.devices != devices:
-            check_cpu_contexts(self.name, devices)
-            group = registry.SyncGroup(self._group_id, self.name, devices,
-                                       self._kwargs['axis'], self._timeout,
-                                       transport=self._transport,
-                                       arrays=_array_getter(self),
-                                       sync_groups=self._sync_groups)
-            self._fast_ops = (mkldnn_active() and group.host_memory
-                              and os.environ.get('GLUON_SYNCBN_CONV_NORMALIZE', '1') != '0')
-            registry.register(group)
-            self._group = group
+        if group is not None and group.devices == devices:
+            return group
+        with registry.SETUP_LOCK:
+            group = self._group
+            if group is None or group.devices != devices:
+                check_cpu_contexts(self.name, devices)
+                group = registry.SyncGroup(self._group_id, self.name, devices,
+                                           self._kwargs['axis'], self._timeout,
+                                           transport=self._transport,
+                                           arrays=_array_getter(self),
+                                           sync_groups=self._sync_groups)
+                self._fast_ops = (mkldnn_active() and group.host_memory and
+                                  os.environ.get('GLUON_SYNCBN_CONV_NORMALIZE', '1') != '0')
+                registry.register(group)
+                self._group = group
         return group
 
     def _check_input(self, x):
@@ -254,17 +268,22 @@ class SyncBatchNorm(HybridBlock):
             # Inference: running statistics, no synchronization at all.
             return F.BatchNorm(x, gamma, beta, running_mean, running_var, name='fwd',
                                **dict(self._kwargs, use_global_stats=True))
-        group = self._sync_group()
-        dtype = dtype_name(x.dtype) if imperative else self._input_dtype
-        if len(group.devices) == 1 and dtype == 'float32' and not self._transport.cross_process:
-            # Nothing to synchronize: be nn.BatchNorm, kernel and all. (Its CPU
-            # kernel mishandles float64 under MKL-DNN; float16 needs our casts.)
+        devices = self._devices()
+        if devices != self._checked_devices:
+            self._check_devices(devices)
+        if len(devices) == 1 and not self._transport.cross_process:
+            # Nothing to synchronize: be nn.BatchNorm, kernel and all, with no
+            # library work. (Like nn.BatchNorm's, float16 input takes float32
+            # parameters, and float64 running statistics have float32's
+            # precision on CPU.)
             return F.BatchNorm(x, gamma, beta, running_mean, running_var, name='fwd',
                                **self._kwargs)
+        group = self._sync_group(devices)
+        dtype = dtype_name(x.dtype) if imperative else self._input_dtype
         if imperative:
             registry.SESSION.clear_failed_arrays()
-            registry.SESSION.check_dtypes(self._group_id, "'%s'" % self.name, str(x.context),
-                                          dtype)
+            registry.SESSION.check_dtypes(self, "'%s'" % self.name, len(devices),
+                                          str(x.context), dtype)
         if group.operator == 'async':
             # One native operator of MXNet's own kind does it all, without a
             # custom operator's threads (native/async_op.h). It reads and

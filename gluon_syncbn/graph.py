@@ -13,6 +13,7 @@ from . import native
 from . import op as _op
 from .hooks import CENTER_OP, request_retrace
 from .mxnet_private import amp_initialized, dtype_name, operator_dtype
+from .registry import SETUP_LOCK
 
 __all__ = ['LOW_PRECISION', 'VectorGraph', 'channel_affine', 'ChannelMoments']
 
@@ -149,17 +150,23 @@ class VectorGraph(object):
         Returns ``(op, order)``: ``op`` takes (x, gamma, beta, running_mean,
         running_var) permuted by ``order``, the order of its inputs.
         """
-        from mxnet import ndarray, symbol
         key = (self.dtype, self.param_dtype, amp_initialized())
         cached = self.group.imperative_graphs.get(key)
         if cached is None:
-            names = ('data', 'gamma', 'beta', 'running_mean', 'running_var')
-            # Traced as imperative: the input's dtype is known.
-            out = self._graph(symbol, *[symbol.var(n) for n in names], imperative=True)
-            order = [names.index(n) for n in out.list_inputs()]
-            op = ndarray.CachedOp(out, flags=[('static_alloc', True)])
-            cached = self.group.imperative_graphs[key] = (op, order)
+            with SETUP_LOCK:  # traced once, whichever device's thread comes first
+                cached = self.group.imperative_graphs.get(key)
+                if cached is None:
+                    cached = self.group.imperative_graphs[key] = self._trace()
         return cached
+
+    def _trace(self):
+        """``(op, order)`` of :meth:`_cached_op`, traced now."""
+        from mxnet import ndarray, symbol
+        names = ('data', 'gamma', 'beta', 'running_mean', 'running_var')
+        # Traced as imperative: the input's dtype is known.
+        out = self._graph(symbol, *[symbol.var(n) for n in names], imperative=True)
+        order = [names.index(n) for n in out.list_inputs()]
+        return ndarray.CachedOp(out, flags=[('static_alloc', True)]), order
 
     def _graph(self, F, x, gamma, beta, running_mean, running_var, imperative):
         """The operators of a call; ``imperative``: ``x`` has dtype ``self.dtype``

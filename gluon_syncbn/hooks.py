@@ -178,17 +178,20 @@ def install_cached_op_hook(hybrid_block_class, session, is_training):
 
     def _call_cached_op(self, *args):
         session.clear_failed_arrays()
-        names = None
+        layers = None
         if args and hasattr(args[0], 'dtype') and is_training():
-            # The layer names, found again whenever the graph is rebuilt
-            # (convert_model and hybridize() after a first call rebuild it).
-            graph, names = getattr(self, '_gluon_syncbn_layers', (None, None))
-            if names is None or graph is not self._cached_op:
-                names = ', '.join(
-                    "'%s'" % b.name for b in _blocks(self) if hasattr(b, '_group_id'))
-                self._gluon_syncbn_layers = (self._cached_op, names)
-        if names:
-            session.check_dtypes(id(self), names, str(args[0].context),
+            # The layers' names and device count, found again whenever the
+            # graph is rebuilt (convert_model and hybridize() after a first
+            # call rebuild it).
+            graph, layers = getattr(self, '_gluon_syncbn_layers', (None, None))
+            if layers is None or graph is not self._cached_op:
+                found = [b for b in _blocks(self) if hasattr(b, '_group_id')]
+                layers = (', '.join("'%s'" % b.name for b in found),
+                          len(found[0].gamma.list_ctx())) if found else ()
+                self._gluon_syncbn_layers = (self._cached_op, layers)
+        if layers:
+            names, num_devices = layers
+            session.check_dtypes(self, names, num_devices, str(args[0].context),
                                  dtype_name(args[0].dtype))
             if any(getattr(a, 'size', 1) == 0 for a in args):
                 # An empty slice: cached graphs divide by zero on size-0 input

@@ -26,10 +26,17 @@ from .errors import (SyncBatchNormError, SyncBatchNormTimeout, add_failure_sourc
                      record_failure)
 from .transport import LocalTransport
 
-__all__ = ['SyncGroup', 'get_group', 'new_group_id', 'register', 'unregister', 'SESSION']
+__all__ = ['SyncGroup', 'get_group', 'new_group_id', 'register', 'unregister', 'SESSION',
+           'SETUP_LOCK']
 
 _groups = {}
 _lock = threading.Lock()
+# One-time work of a layer's first calls, which may come from one Python
+# thread per device at once (GluonCV's parallel_apply): loading the native
+# library, creating and registering a layer's group, tracing a group's
+# imperative graphs. Whoever comes first does it; the others wait, then find
+# it done. Reentrant: creating a group loads the library.
+SETUP_LOCK = threading.RLock()
 # Ids of groups whose layer was garbage-collected. A layer's finalizer runs at
 # whatever allocation triggers the collection, also on a thread inside a
 # `with _lock:` block, so it only queues the id (waiting for the lock there
@@ -67,9 +74,9 @@ class Session(object):
         self._native = None
         self._engine_ready = False
         self._cleared_token = 0
+        self._clear_lock = threading.Lock()
         self._issue_token = 0
-        self._step = 0
-        self._step_dtypes = {}  # key -> (step, {device: dtype}) of this step's calls
+        self._dtypes_lock = threading.Lock()
 
     def load_native(self):
         """The native library, built, self-tested and loaded at the first
@@ -80,17 +87,21 @@ class Session(object):
         other way round. No call has been issued before the first layer's, so
         the token starts afresh.
         """
-        if self._native is None:
-            lib = native.load()  # raises where GLUON_SYNCBN_BACKEND=async|exchange cannot be had
-            if lib is not None and self._native is None:
-                self._native = lib
-                add_failure_source(lambda: [
-                    (SyncBatchNormTimeout if kind == 'SyncBatchNormTimeout'
-                     else SyncBatchNormError)(m)
-                    for kind, m in native.take_errors(lib)])
-                self._issue_token = self.token()
-                lib.gsbn_begin_step()
+        with SETUP_LOCK:
+            if self._native is None:
+                self._load_native_locked()
         return self._native
+
+    def _load_native_locked(self):
+        lib = native.load()  # raises where GLUON_SYNCBN_BACKEND=async|exchange cannot be had
+        if lib is not None:
+            add_failure_source(lambda: [
+                (SyncBatchNormTimeout if kind == 'SyncBatchNormTimeout'
+                 else SyncBatchNormError)(m)
+                for kind, m in native.take_errors(lib)])
+            self._issue_token = lib.gsbn_token()
+            lib.gsbn_begin_step()
+            self._native = lib  # last: the token lives there from now on
 
     def prepare_engine(self):
         """Once, before the first layer's first call, where the native library
@@ -115,26 +126,41 @@ class Session(object):
         """The token of a call issued now: the step that began last."""
         return self._issue_token
 
-    def check_dtypes(self, key, name, device, dtype):
-        """Raise if ``device`` feeds ``key`` (a layer or cached graph) another
-        dtype than the other devices did in this step. Checked when a call is
-        issued: found later, inside the operators, the failure would have to
-        travel through MXNet's error path once per device at the same moment."""
-        step, seen = self._step_dtypes.get(key, (None, None))
-        if step != self._step:
-            seen = {}
-            self._step_dtypes[key] = (self._step, seen)
-        seen[device] = dtype
-        if len(set(seen.values())) > 1:
-            exc = SyncBatchNormError(messages.text(
-                'dtypes_disagree', layers=name,
-                dtypes=', '.join('%s: %s' % (d, t) for d, t in sorted(seen.items()))))
-            self.fail_step(exc)
-            raise exc
+    def check_dtypes(self, owner, name, num_devices, device, dtype):
+        """Raise if the call of ``owner`` (a layer, or a hybridized block
+        holding layers, named ``name``) issued now on ``device`` has another
+        dtype than the same call on the other devices: the k-th call of each
+        of the ``num_devices`` devices since the step token last changed, as
+        the operators pair them. Checked when a call is issued: found later,
+        inside the operators, the failure would have to travel through
+        MXNet's error path once per device at the same moment.
+
+        The record lives on ``owner`` (nothing outlives it) and keeps only
+        calls some device has not made yet.
+        """
+        with self._dtypes_lock:
+            record = owner.__dict__.get('_gluon_syncbn_dtypes')
+            if record is None or record[0] != self._issue_token:
+                record = owner._gluon_syncbn_dtypes = (self._issue_token, {}, {})
+            _, made, open_calls = record  # {device: calls made}, {call: {device: dtype}}
+            call = made.get(device, 0)
+            made[device] = call + 1
+            seen = open_calls.setdefault(call, {})
+            seen[device] = dtype
+            if len(seen) == num_devices:
+                del open_calls[call]
+            if len(set(seen.values())) <= 1:
+                return
+        exc = SyncBatchNormError(messages.text(
+            'dtypes_disagree', layers=name,
+            dtypes=', '.join('%s: %s' % (d, t) for d, t in sorted(seen.items()))))
+        self.fail_step(exc)
+        raise exc
 
     def begin_step(self):
-        """A training step begins: calls issued from now on belong to it."""
-        self._step += 1
+        """A training step begins: calls issued from now on belong to it.
+        Called by every thread that enters ``record()``, so once or once per
+        device per step."""
         self._issue_token = self.token()
         if self._native is not None:
             self._native.gsbn_begin_step()
@@ -190,11 +216,18 @@ class Session(object):
         token = self.token()
         if token == self._cleared_token:
             return
-        self._cleared_token = token
-        with _lock:
-            groups = list(_groups.values())
-        for group in groups:
-            group.clear_failed_state()
+        # Threads calling for each device at once: one clears, and the others
+        # wait until it is done. Were they to go on, the clearing thread could
+        # wait on a running statistic written by their calls, which wait for
+        # its device's call.
+        with self._clear_lock:
+            if token == self._cleared_token:
+                return
+            with _lock:
+                groups = list(_groups.values())
+            for group in groups:
+                group.clear_failed_state()
+            self._cleared_token = token
 
     def fail_step(self, cause=None, exiting=False):
         """The current step failed with ``cause`` (default: ``gluon_syncbn.reset()``

@@ -53,9 +53,11 @@ import ctypes
 import hashlib
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 
 from .. import messages
 from ..errors import SyncBatchNormError, warn_user
@@ -84,8 +86,14 @@ FLAGS = ['-O3', '-shared', '-fPIC', '-std=c++14',
 BUILD_SECONDS = 300
 SELFTEST_SECONDS = 120
 
+# Filled once, under _lock: a layer's first call may come from one Python
+# thread per device at once (GluonCV's parallel_apply), and building,
+# self-testing, registering and generating the operators' functions must
+# happen once. 'loaded' is set last, so a thread that sees it reads the rest
+# without the lock.
 _state = {'lib': None, 'path': None, 'why_not': None, 'async': None, 'exchange': None,
-          'exchange_checked': False, 'verdicts': {}}
+          'loaded': False, 'exchange_checked': False, 'verdicts': {}}
+_lock = threading.RLock()
 
 
 class NativeUnavailable(Exception):
@@ -233,38 +241,47 @@ def _declare(lib):
 def load():
     """The loaded native library, or None where it cannot be had.
 
-    Builds it on first use. Where it cannot be had, ``auto`` warns once,
-    ``async`` and ``exchange`` raise :class:`SyncBatchNormError`, and
-    ``python`` says nothing; ``python`` registers no operator.
+    Builds it on first use, once, whichever threads ask at the same time
+    (the others wait, then share the result). Where it cannot be had,
+    ``auto`` warns once, ``async`` and ``exchange`` raise
+    :class:`SyncBatchNormError`, and ``python`` says nothing; ``python``
+    registers no operator.
     """
     backend = requested_backend()
-    if _state['lib'] is None and _state['why_not'] is None:
-        try:
-            path = library_path()
-            if not os.path.exists(path):
-                build(path)
-            lib = ctypes.CDLL(path)
-            _declare(lib)
-            messages.install(lib)
-            _state['lib'] = lib
-            _state['path'] = path
-            # The asynchronous operator relies on libmxnet's C++ ABI (see
-            # mxnet_abi.h): registered only where its self-test passed.
-            if backend != 'python' and _passes_selftest(path, 'async') and \
-                    lib.gsbn_register_async() == 0:
-                from ..mxnet_private import operator_functions
-                _state['async'] = operator_functions(ASYNC_OP)
-        except (NativeUnavailable, OSError) as exc:
-            _state['why_not'] = str(exc)
-            if backend == 'auto':
-                warn_user(
-                    'gluon_syncbn: the native operators are not available (%s). %s Install a '
-                    'C++ compiler (or set CXX), or set %s=python to silence this.'
-                    % (exc, FALLBACK, BACKEND_VARIABLE))
+    if not _state['loaded']:
+        with _lock:
+            if not _state['loaded']:
+                _load_locked(backend)
+                _state['loaded'] = True
     if _state['lib'] is None and backend in ('async', 'exchange'):
         raise SyncBatchNormError('%s=%s, but the native library is not available: %s'
                                  % (BACKEND_VARIABLE, backend, _state['why_not']))
     return _state['lib']
+
+
+def _load_locked(backend):
+    try:
+        path = library_path()
+        if not os.path.exists(path):
+            build(path)
+        lib = ctypes.CDLL(path)
+        _declare(lib)
+        messages.install(lib)
+        # The asynchronous operator relies on libmxnet's C++ ABI (see
+        # mxnet_abi.h): registered only where its self-test passed.
+        if backend != 'python' and _passes_selftest(path, 'async') and \
+                lib.gsbn_register_async() == 0:
+            from ..mxnet_private import operator_functions
+            _state['async'] = operator_functions(ASYNC_OP)
+        _state['path'] = path
+        _state['lib'] = lib
+    except (NativeUnavailable, OSError) as exc:
+        _state['why_not'] = str(exc)
+        if backend == 'auto':
+            warn_user(
+                'gluon_syncbn: the native operators are not available (%s). %s Install a '
+                'C++ compiler (or set CXX), or set %s=python to silence this.'
+                % (exc, FALLBACK, BACKEND_VARIABLE))
 
 
 FALLBACK = 'Its layers run the Python operator (the same results, about 10-40x the host ' \
@@ -299,30 +316,54 @@ def _driver_tag():
         return ''
 
 
+# How a self-test's process can end with a verdict on the build: ``ok``, its
+# own failure (FAILED_EXIT, see selftest.py) or a crash the build causes.
+# Anything else (the time limit on a loaded machine, a kill from outside)
+# says nothing about the build: that outcome is not kept, and the next
+# process runs the self-test again.
+CRASH_SIGNALS = (signal.SIGSEGV, signal.SIGBUS, signal.SIGILL, signal.SIGFPE, signal.SIGABRT)
+FAILED_EXIT = 3
+
+
 def _selftest(path, part):
     """``'ok'``, or why ``python -m gluon_syncbn.native.selftest <part>``
-    failed with the library at ``path``: run once in a subprocess (a crash
-    ends it, not the user's process), the verdict kept beside the library in
-    ``<library>.<part>[-<driver>].selftest``."""
+    failed with the library at ``path``: run in a subprocess (a crash ends
+    it, not the user's process). A definite verdict is kept beside the
+    library in ``<library>.<part>[-<driver>].selftest`` and never asked
+    again; any other outcome only for this process."""
     if os.environ.get(SELFTEST_VARIABLE) == '1':
         return 'ok'  # this is the self-test's process
     marker = '%s.%s%s.selftest' % (path, part, _driver_tag() if part == 'exchange' else '')
-    if not os.path.exists(marker):
-        try:
-            proc = subprocess.run([sys.executable, '-m', 'gluon_syncbn.native.selftest', part],
-                                  capture_output=True, text=True, timeout=SELFTEST_SECONDS,
-                                  env=dict(os.environ, **{SELFTEST_VARIABLE: '1'}))
-            verdict = 'ok' if proc.returncode == 0 and 'ok' in proc.stdout else (
-                'exit %d: %s' % (proc.returncode, (proc.stderr or proc.stdout)[-500:]))
-        except subprocess.TimeoutExpired:
-            verdict = 'took more than %ds' % SELFTEST_SECONDS
-        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(marker))
-        with os.fdopen(fd, 'w') as f:
-            f.write(verdict)
-        os.replace(tmp, marker)
-    with open(marker) as f:
-        verdict = f.read()
+    if os.path.exists(marker):
+        with open(marker) as f:
+            verdict = f.read()
+        return verdict if verdict == 'ok' else '%s; see %s' % (verdict.strip()[-300:], marker)
+    try:
+        proc = subprocess.run([sys.executable, '-m', 'gluon_syncbn.native.selftest', part],
+                              capture_output=True, text=True, timeout=SELFTEST_SECONDS,
+                              env=dict(os.environ, **{SELFTEST_VARIABLE: '1'}))
+    except subprocess.TimeoutExpired:
+        return 'it took more than %ds%s' % (SELFTEST_SECONDS, RETRIED)
+    output = (proc.stderr or proc.stdout)[-500:]
+    if proc.returncode == 0 and 'ok' in proc.stdout.split():
+        verdict = 'ok'
+    elif proc.returncode == FAILED_EXIT:
+        verdict = 'failed: %s' % output
+    elif -proc.returncode in CRASH_SIGNALS:
+        verdict = 'crashed (%s): %s' % (signal.Signals(-proc.returncode).name, output)
+    else:
+        return 'it ended with %s: %s%s' % (
+            'signal %d' % -proc.returncode if proc.returncode < 0 else
+            'exit %d' % proc.returncode, output.strip()[-300:], RETRIED)
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(marker))
+    with os.fdopen(fd, 'w') as f:
+        f.write(verdict)
+    os.replace(tmp, marker)
     return verdict if verdict == 'ok' else '%s; see %s' % (verdict.strip()[-300:], marker)
+
+
+RETRIED = ('; not a verdict on the build, so not kept: the next process runs the self-test '
+           'again at its first synchronized call (up to %ds)' % SELFTEST_SECONDS)
 
 
 def take_errors(lib):
@@ -346,13 +387,16 @@ def exchange_operator():
     same reliance on libmxnet's ABI, checked first)."""
     lib = load()
     if lib is not None and _state['async'] is not None and not _state['exchange_checked']:
-        _state['exchange_checked'] = True
-        # Its self-test: one layer on two devices (two GPUs where there are,
-        # else two CPU contexts down the GPU path) against NumPy, once per
-        # library and GPU driver.
-        if _passes_selftest(_state['path'], 'exchange') and lib.gsbn_register_exchange() == 0:
-            from ..mxnet_private import operator_functions
-            _state['exchange'] = operator_functions(EXCHANGE_OP)
+        with _lock:  # once, as load()
+            if not _state['exchange_checked']:
+                # Its self-test: one layer on two devices (two GPUs where
+                # there are, else two CPU contexts down the GPU path) against
+                # NumPy, once per library and GPU driver.
+                if _passes_selftest(_state['path'], 'exchange') and \
+                        lib.gsbn_register_exchange() == 0:
+                    from ..mxnet_private import operator_functions
+                    _state['exchange'] = operator_functions(EXCHANGE_OP)
+                _state['exchange_checked'] = True
     return _state['exchange']
 
 

@@ -299,10 +299,14 @@ void exchange_op_forward(const mxnet::OpStatePtr& state_ptr, const mxnet::OpCont
   const int64_t C = static_cast<int64_t>(in[4].shape().Size());
   const mxnet::NDArray packed = plain(in[0]);
   const int64_t P = static_cast<int64_t>(packed.shape().Size());
-  if (P != 5 * C || C == 0 || req[0] == kAddTo)
-    return complete(on_complete, in_layer(gp->name, "the exchange operator got a packed input "
-                                          "of " + std::to_string(P) + " elements for " +
-                                          std::to_string(C) + " channels"));
+  const std::string& device = gp->devices[op.device];
+  if (P != 5 * C || C == 0)
+    return fail_call(on_complete, *gp, "on " + device + " the exchange operator got a packed "
+                     "input of " + std::to_string(P) + " elements for " + std::to_string(C) +
+                     " channels (5 per channel expected)");
+  if (req[0] == kAddTo)
+    return fail_call(on_complete, *gp, "on " + device + " the exchange operator was asked to "
+                     "add to its output, which it cannot");
   const double count = static_cast<double>(in[1].shape().Size()) / static_cast<double>(C);
   const bool train = ctx.is_train;
   uint64_t token = 0;
@@ -434,8 +438,8 @@ void exchange_op_backward(const mxnet::OpStatePtr& state_ptr, const mxnet::OpCon
     return complete(on_complete, error);
   }
   if (req[0] == kAddTo)
-    return complete(on_complete, in_layer(gp->name, "the exchange operator cannot add to "
-                                          "its input's gradient"));
+    return fail_call(on_complete, *gp, "on " + gp->devices[op.device] + " the exchange "
+                     "operator was asked to add to its input's gradient, which it cannot");
   if (!backward_current(*gp, p.static_shape, op.token, &error))
     return complete(on_complete, error);
   const std::vector<double> m1 = state.m1;

@@ -7,7 +7,8 @@ operator: one CPU context's forward and backward, imperative and in a static
 graph. The exchange operator: the GPU path's layer as users run it, on two
 GPUs where there are, else on two CPU contexts down the GPU path, one
 uneven step imperative and in a static graph. Both against NumPy; prints
-``ok`` and exits 0 if right."""
+``ok`` and exits 0 if right, and exits ``native.FAILED_EXIT`` with the reason
+if not (a verdict the caller keeps, as it keeps a crash)."""
 import os
 import sys
 
@@ -34,10 +35,16 @@ def reference(x, gamma, beta, w, eps):
     return xhat * gamma[None, :, None] + beta[None, :, None], dx, (w * xhat).sum(axis=(0, 2))
 
 
+def fail(reason):
+    """End with this build's verdict: it does not work here, for ``reason``."""
+    sys.stderr.write(reason + '\n')
+    sys.exit(native.FAILED_EXIT)
+
+
 def main(part):
     lib = native.load()
     if lib is None or native.async_operator() is None:
-        sys.exit('the native library did not load')
+        fail('the native library did not load')
     rng = np.random.RandomState(0)
     x = rng.randn(4, 3, 5)
     w = rng.randn(4, 3, 5)
@@ -109,7 +116,7 @@ def check_exchange(x, w, gamma, beta, eps, expected):
         autograd.backward(ys, [mx.nd.array(w[:1], ctx=ctxs[0], dtype='float64'),
                                mx.nd.array(w[1:], ctx=ctxs[1], dtype='float64')])
         if layer._sync_group().operator != 'exchange' or native.exchange_operator() is None:
-            sys.exit('the layer did not take the exchange operator')
+            fail('the layer did not take the exchange operator')
         total = lambda p: sum(p.grad(c).asnumpy() for c in ctxs)  # noqa: E731
         got = [np.concatenate([y.asnumpy() for y in ys]),
                np.concatenate([a.grad.asnumpy() for a in xs]),
@@ -125,8 +132,15 @@ def compare(what, hybridize, got, expected):
     for g, want in zip(got, expected):
         g = g.asnumpy() if hasattr(g, 'asnumpy') else g
         if not np.allclose(g, want, rtol=1e-9, atol=1e-9):
-            sys.exit('wrong results from %s (hybridized=%s)' % (what, hybridize))
+            fail('wrong results from %s (hybridized=%s)' % (what, hybridize))
 
 
 if __name__ == '__main__':
-    main(sys.argv[1] if len(sys.argv) > 1 else 'async')
+    try:
+        main(sys.argv[1] if len(sys.argv) > 1 else 'async')
+    except (MemoryError, KeyboardInterrupt):
+        raise  # says nothing about the build
+    except Exception as exc:  # pylint: disable=broad-except
+        import traceback
+        traceback.print_exc()
+        fail('%s: %s' % (type(exc).__name__, exc))

@@ -48,6 +48,10 @@ std::string& g_cause = *new std::string();
 std::deque<std::string>& g_errors = *new std::deque<std::string>();  // "Kind\tmessage", oldest first
 std::map<std::string, std::shared_ptr<Group>>& g_groups =
     *new std::map<std::string, std::shared_ptr<Group>>();
+// Every group an operator may still hold, also one g_groups no longer names
+// (a layer re-created on other devices, or garbage-collected while a call
+// of it waits): the watchdog and aborts reach every waiting exchange.
+std::vector<std::weak_ptr<Group>>& g_live = *new std::vector<std::weak_ptr<Group>>();
 // Across processes: set once a failure broke synchronization with the other
 // workers (then every later remote exchange fails at once, and the process
 // ends: fatal_locked); this worker's rank once a layer's sums leave it.
@@ -109,6 +113,19 @@ struct Group : std::enable_shared_from_this<Group> {
   int slot = -1;
   std::vector<double> ownership;
 };
+
+// The groups of g_live that still exist, the others forgotten (lock held).
+std::vector<std::shared_ptr<Group>> live_groups_locked() {
+  std::vector<std::shared_ptr<Group>> live;
+  size_t kept = 0;
+  for (auto& weak : g_live)
+    if (auto g = weak.lock()) {
+      live.push_back(g);
+      g_live[kept++] = weak;
+    }
+  g_live.resize(kept);
+  return live;
+}
 
 // Continuations to run once g_mutex is released, with their error or sum.
 std::vector<std::tuple<Waiter, std::string, std::vector<double>>>& g_pending =
@@ -174,7 +191,9 @@ void fatal_locked(const std::string& cause) {
 }
 
 // Fail every waiting exchange: the step is over (lock held). Fatal once
-// this worker's sums leave it, except at interpreter exit.
+// this worker's sums leave it, except at interpreter exit. Every exchange
+// goes: a call of the aborted step that arrives later is refused by its
+// token (exchange_async), so none of them can be joined again.
 void abort_locked(const std::string& cause, const std::string& kind = "SyncBatchNormError",
                   bool exiting = false) {
   if (!exiting && g_remote_rank >= 0)
@@ -182,15 +201,15 @@ void abort_locked(const std::string& cause, const std::string& kind = "SyncBatch
                          {{"rank", std::to_string(g_remote_rank)}, {"cause", cause}}));
   ++g_token;
   g_cause = cause;
-  for (auto& g : g_groups) {
-    std::vector<std::pair<Key, std::shared_ptr<Exchange>>> failed;
-    for (auto& e : g.second->exchanges)
+  for (auto& g : live_groups_locked()) {
+    std::map<Key, std::shared_ptr<Exchange>> exchanges;
+    exchanges.swap(g->exchanges);
+    for (auto& e : exchanges)
       if (!e.second->done && e.second->error.empty()) {
-        e.second->error = in_layer(g.second->name, cause);
+        e.second->error = in_layer(g->name, cause);
         e.second->kind = kind;
-        failed.emplace_back(e.first, e.second);
+        dispatch_locked(*g, e.first, e.second);
       }
-    for (auto& f : failed) dispatch_locked(*g.second, f.first, f.second);
   }
 }
 
@@ -227,8 +246,7 @@ std::string join(const std::vector<std::string>& items) {
 // device order (the same rounding whatever the arrival order). Every wait ends
 // at the layer's timeout. Returns false with `error` set on failure.
 
-// A failed exchange stays until every device has passed it, so a late
-// device fails at once instead of waiting (lock held).
+// An exchange goes once every device has taken its outcome (lock held).
 void release_locked(Group& g, const Key& key, const std::shared_ptr<Exchange>& ex) {
   if (++ex->taken == static_cast<int>(g.devices.size())) {
     auto it = g.exchanges.find(key);
@@ -489,13 +507,13 @@ void watchdog() {
     auto next = std::chrono::steady_clock::now() + std::chrono::seconds(1);
     std::string failure;
     bool remote = false;
-    for (auto& g : g_groups)
-      for (auto& e : g.second->exchanges) {
+    for (auto& g : live_groups_locked())
+      for (auto& e : g->exchanges) {
         const Exchange& ex = *e.second;
         if (ex.waiters.empty() || ex.done || !ex.error.empty()) continue;
         if (ex.deadline <= std::chrono::steady_clock::now()) {
           if (failure.empty()) {
-            failure = timeout_message(*g.second, e.first, ex);
+            failure = timeout_message(*g, e.first, ex);
             remote = ex.remote;
           }
         } else if (ex.deadline < next) {

@@ -90,6 +90,7 @@ void gsbn_group_create(const char* id, const char* name, const char* devices, in
   g->next_call.assign(num_devices, 0);
   std::lock_guard<std::mutex> lock(g_mutex);
   g_groups[id] = g;
+  g_live.push_back(g);
 }
 
 // static_shape graphs: device `device`'s running mean and variance arrays (the

@@ -1,0 +1,64 @@
+"""Real clients call the layer from one Python thread per device.
+
+GluonCV's segmentation and detection scripts (``--syncbn``) run the network
+through ``DataParallelModel`` / ``DataParallelCriterion(sync=True)``, whose
+``parallel_apply`` starts one Python thread per device; each thread calls the
+network inside ``autograd.record()`` and waits for its output. Here GluonCV's
+own ``parallel_apply`` drives a float64 network whose first synchronized call
+comes from those threads, each case in a fresh process (one-time setup is
+where races live), on every backend, 2 and 4 devices, uneven slices,
+imperative and hybridized, against float64 maths on the whole batch.
+``tests/soak_threads.py`` runs the first call many times over.
+"""
+import importlib.util
+import os
+
+import pytest
+
+from tests.conftest import PATH_OPERATOR, ScenarioFailed, run_scenario
+
+GLUONCV = None if importlib.util.find_spec('gluoncv') else (
+    'gluoncv is not installed: pip install --no-deps gluoncv==0.10.5.post0 scipy==1.15.3 '
+    'portalocker==4.4.2 (.ci/run does)')
+if GLUONCV and os.environ.get('GLUON_SYNCBN_REQUIRE_GLUONCV'):
+    raise RuntimeError('GLUON_SYNCBN_REQUIRE_GLUONCV is set but ' + GLUONCV)
+needs_gluoncv = pytest.mark.skipif(bool(GLUONCV), reason=GLUONCV or '')
+
+EXACT = 1e-12  # float64 throughout
+# A wait that ends the case long before its process's deadline, were it to hang.
+TIMEOUT = {'GLUON_SYNCBN_TIMEOUT': '60'}
+
+
+@needs_gluoncv
+@pytest.mark.parametrize('hybridize', [False, True], ids=['imperative', 'hybridized'])
+@pytest.mark.parametrize('num_devices,batch', [(2, 7), (4, 10)], ids=['N2', 'N4'])
+def test_first_step_from_gluoncv_threads(operator, num_devices, batch, hybridize):
+    r = run_scenario('gluoncv_threads', timeout=150, env=TIMEOUT, num_devices=num_devices,
+                     batch=batch, hybridize=hybridize)
+    assert r['operator'] == PATH_OPERATOR[operator]
+    assert len(r['slices']) == num_devices and len(set(r['slices'])) > 1, r  # uneven
+    for what in ('dx', 'running_mean', 'running_var'):
+        assert r[what] < EXACT, (what, r)
+
+
+@needs_gluoncv
+def test_threads_without_a_compiler_fall_back_once(tmp_path):
+    # The build fails in whichever thread comes first; every thread then runs
+    # the Python operator, exactly, after one warning.
+    env = dict(TIMEOUT, CXX=str(tmp_path / 'no-such-compiler'), GLUON_SYNCBN_BACKEND='auto',
+               GLUON_SYNCBN_CACHE=str(tmp_path / 'cache'))
+    r = run_scenario('gluoncv_threads', timeout=150, env=env, num_devices=4, batch=10)
+    assert r['operator'] == 'python' and r['warnings'] == 1, r
+    assert max(r['dx'], r['running_mean'], r['running_var']) < EXACT, r
+
+
+@needs_gluoncv
+def test_threads_get_the_error_when_the_library_cannot_be_had(tmp_path):
+    # GLUON_SYNCBN_BACKEND=async is strict: every device's thread raises the
+    # reason at once, none waits for the others.
+    env = dict(TIMEOUT, CXX=str(tmp_path / 'no-such-compiler'), GLUON_SYNCBN_BACKEND='async',
+               GLUON_SYNCBN_CACHE=str(tmp_path / 'cache'))
+    with pytest.raises(ScenarioFailed) as failed:
+        run_scenario('gluoncv_threads', timeout=60, env=env, num_devices=4, batch=10)
+    assert 'GLUON_SYNCBN_BACKEND=async, but the native library is not available: no C++ ' \
+           'compiler' in str(failed.value)
