@@ -29,8 +29,10 @@ setup(
     packages=find_packages(include=['gluon_syncbn', 'gluon_syncbn.*']),
     # The native operator's source: compiled at first import (gluon_syncbn/native).
     package_data={'gluon_syncbn': ['native/*.cc', 'native/*.h']},
-    python_requires='>=3.7',
-    # MXNet 1.9.1 uses np.bool, removed in NumPy 1.24.
+    # MXNet 1.9.1 uses np.bool, removed in NumPy 1.24, and NumPy < 1.24 has
+    # no wheels for Python 3.12 or later (its source build needs distutils,
+    # gone in 3.12); MXNet 1.9.1 does not import with NumPy 1.26 either.
+    python_requires='>=3.7, <3.12',
     install_requires=['numpy<1.24'],
     extras_require={
         # Pick one MXNet build. The GPU wheel's libmxnet.so needs the CUDA 11

@@ -112,3 +112,49 @@ def test_abort_fails_stale_calls_and_the_next_step_pairs_from_zero():
     out = run_devices([lambda: forward(barrier, 0, 1, new), lambda: forward(barrier, 1, 2, new)])
     assert [o[1] for o in out] == [3, 3]
     assert out[0][0] == ('fwd', new, 0)
+
+
+def test_a_timed_out_exchange_is_not_kept_for_a_device_that_never_comes():
+    # With a real session a timeout aborts the step: a late call of it fails
+    # at its token, so the barrier keeps nothing for the missing device.
+    session = Session()
+    barrier = summing_barrier(2, timeout=0.2, session=session)
+    for _ in range(3):
+        token = session.issue_token()
+        out = run_devices([lambda: forward(barrier, 0, 1.0, token)])
+        assert isinstance(out[0], SyncBatchNormTimeout)
+        session.begin_step()
+    assert barrier._exchanges == {}
+
+
+class Layer(object):
+    """Stands in for a layer or a hybridized block: what owns a dtype record."""
+
+
+def test_the_dtype_record_pairs_calls_by_number_and_keeps_nothing_finished():
+    session = Session()
+    layer = Layer()
+    for _ in range(1000):
+        for device in ('cpu(0)', 'cpu(1)'):
+            session.check_dtypes(layer, "'bn'", 2, device, 'float32')
+    assert layer._gluon_syncbn_dtypes[2] == {}  # no call left open
+    # Devices running ahead of each other: the k-th calls are compared.
+    for device, dtype in [('cpu(0)', 'float32'), ('cpu(0)', 'float64'), ('cpu(1)', 'float32')]:
+        session.check_dtypes(layer, "'bn'", 2, device, dtype)
+    with pytest.raises(SyncBatchNormError, match=r"cpu\(0\): float64, cpu\(1\): float16"):
+        session.check_dtypes(layer, "'bn'", 2, 'cpu(1)', 'float16')
+
+
+def test_a_new_owner_never_sees_an_old_ones_calls():
+    # A garbage-collected block's id is reused at once by CPython; its record
+    # goes with it. Several threads record at once.
+    session = Session()
+    for _ in range(50):
+        old = Layer()
+        session.check_dtypes(old, "'bn'", 2, 'cpu(0)', 'float32')  # cpu(1) never calls
+        del old
+        new = Layer()
+        assert run_devices([lambda d=d: session.check_dtypes(new, "'bn'", 4, 'cpu(%d)' % d,
+                                                             'float64')
+                            for d in range(4)]) == [None] * 4
+        assert new._gluon_syncbn_dtypes[2] == {}

@@ -341,3 +341,171 @@ def test_converted_resnet50_does_not_deadlock_on_four_contexts(hybridize):
                      env=PATHS['async'])
     assert r['num_syncbn'] == 53
     assert r['finite'] == 1.0 and r['replicas_identical'] == 1.0, r
+
+
+ONE_DEVICE_STEPS = '''
+import warnings, numpy as np
+warnings.simplefilter('always')
+import gluon_syncbn, mxnet as mx
+from mxnet import autograd, gluon
+from tests.reference import max_rel_err
+x = np.random.RandomState(0).randn(4, 3, 2, 2)
+worst = 0.0
+for dtype in ('float32', 'float64', 'float16'):
+    for hybridize in (False, True):
+        outs = []
+        for make in (gluon_syncbn.SyncBatchNorm, gluon.nn.BatchNorm):
+            bn = make(in_channels=3)
+            bn.initialize(ctx=mx.cpu(0))
+            bn.cast(dtype)
+            if hybridize:
+                bn.hybridize()
+            a = mx.nd.array(x, dtype=dtype)
+            a.attach_grad()
+            with autograd.record():
+                y = bn(a)
+            y.backward()
+            outs.append([y.asnumpy(), a.grad.asnumpy(), bn.running_var.data().asnumpy()])
+        worst = max([worst] + [max_rel_err(s, r) for s, r in zip(*outs)])
+print('WORST', worst)
+'''
+
+
+def test_one_device_is_nn_batchnorm_with_no_library_work(tmp_path):
+    # A single-device debug run: no build, no self-test, no warning (here no
+    # compiler either, which would warn), and nn.BatchNorm's results, in
+    # every dtype, imperative and hybridized.
+    out = python(ONE_DEVICE_STEPS, CXX=str(tmp_path / 'no-such-compiler'),
+                 GLUON_SYNCBN_CACHE=str(tmp_path / 'cache'))
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert float(reported(out, 'WORST')) == 0.0
+    assert 'RuntimeWarning' not in out.stderr, out.stderr[-2000:]
+    assert not os.path.exists(tmp_path / 'cache')
+
+
+def test_a_self_test_that_runs_out_of_time_is_not_kept(cache_with_library):
+    # A loaded machine: the self-test takes longer than its limit. That says
+    # nothing about the build, so this process runs the Python operator (one
+    # warning saying so) and the next one tries again.
+    folder = cache_with_library / os.listdir(cache_with_library)[0]
+    library = os.listdir(folder)[0]
+    late = python('from gluon_syncbn import native\nnative.SELFTEST_SECONDS = 0.01\n'
+                  + TWO_DEVICE_STEP, GLUON_SYNCBN_CACHE=str(cache_with_library))
+    assert reported(late, 'OPERATOR') == 'python'
+    assert 'took more than 0.01s; not a verdict on the build, so not kept: the next process ' \
+        'runs the self-test again' in reported(late, 'WHY')
+    assert late.stderr.count('RuntimeWarning') == 1, late.stderr[-3000:]
+    assert float(reported(late, 'ERROR')) < 1e-5
+    assert not [n for n in os.listdir(folder) if n.endswith('.selftest')], os.listdir(folder)
+    again = python(TWO_DEVICE_STEP, GLUON_SYNCBN_CACHE=str(cache_with_library))
+    assert reported(again, 'OPERATOR') == 'async'
+    assert (folder / (library + '.async.selftest')).read_text() == 'ok'
+
+
+@pytest.mark.parametrize('outcome,kept', [
+    ((0, 'ok\n', ''), 'ok'),
+    ((3, '', 'wrong results from the asynchronous operator'), 'failed: '),
+    ((-11, '', 'Segmentation fault'), 'crashed (SIGSEGV): '),
+    ((-6, '', 'terminate called'), 'crashed (SIGABRT): '),
+    ((-9, '', ''), None),     # killed from outside (the OOM killer, a user)
+    ((-15, '', ''), None),
+    ((1, '', 'Traceback ... KeyboardInterrupt'), None),
+    ('timeout', None),
+])
+def test_only_a_definite_self_test_verdict_is_kept(tmp_path, monkeypatch, outcome, kept):
+    import subprocess
+    from gluon_syncbn import native
+    library = str(tmp_path / 'libgluon_syncbn-x.so')
+
+    def run(command, timeout, **kwargs):
+        if outcome == 'timeout':
+            raise subprocess.TimeoutExpired(command, timeout)
+        return subprocess.CompletedProcess(command, outcome[0], outcome[1], outcome[2])
+    monkeypatch.setattr(native.subprocess, 'run', run)
+    monkeypatch.delenv(native.SELFTEST_VARIABLE, raising=False)
+    verdict = native._selftest(library, 'async')
+    marker = tmp_path / 'libgluon_syncbn-x.so.async.selftest'
+    if kept is None:
+        assert not marker.exists() and 'not kept' in verdict, verdict
+    else:
+        assert marker.read_text().startswith(kept), marker.read_text()
+        assert verdict == 'ok' if kept == 'ok' else verdict.startswith(kept), verdict
+
+
+LONE_FAILURE = '''
+import time, gluon_syncbn
+gluon_syncbn.configure_cpu_contexts(2)
+import mxnet as mx
+from mxnet import autograd
+from gluon_syncbn import native
+ctxs = [mx.cpu(0), mx.cpu(1)]
+bn = gluon_syncbn.SyncBatchNorm(in_channels=3, timeout=60)
+bn.initialize(ctx=ctxs)
+group = bn._sync_group()
+op = native.exchange_operator()[mx.nd]
+packs, outs = [], []
+with autograd.record():
+    for c, req in zip(ctxs, ('add', 'write')):
+        packed = mx.nd.concat(mx.nd.zeros(6, ctx=c), mx.nd.ones(6, ctx=c),
+                              mx.nd.zeros(3, ctx=c), dim=0)
+        # cpu(0)'s backward is asked to add to its input's gradient, which
+        # the operator cannot do: that call fails on its own.
+        packed.attach_grad(grad_req=req)
+        packs.append(packed)
+        outs.append(op(packed, mx.nd.ones((2, 3, 2, 2), ctx=c), bn.gamma.data(c),
+                       bn.beta.data(c), bn.running_mean.data(c), bn.running_var.data(c),
+                       group=group.group_id, eps=1e-5, momentum=0.9, fix_gamma=False,
+                       static_shape=False, axis=1, input_dtype='float32'))
+start = time.time()
+autograd.backward(outs)
+for i, p in enumerate(packs):
+    try:
+        p.grad.wait_to_read()
+        print('DEVICE%d ok' % i)
+    except mx.base.MXNetError as exc:
+        print('DEVICE%d %s' % (i, str(exc).splitlines()[0]))
+print('SECONDS', time.time() - start)
+'''
+
+
+def test_a_lone_failure_of_the_exchange_operator_fails_its_step():
+    # The other device's backward fails at once with the cause, not at the
+    # layer's timeout (60 s), and the message names the device that failed.
+    out = python(LONE_FAILURE, GLUON_SYNCBN_BACKEND='exchange')
+    assert out.returncode == 0, out.stderr[-3000:]
+    cause = ("SyncBatchNorm 'syncbatchnorm0': exchanging the statistics failed: on cpu(0) the "
+             "exchange operator was asked to add to its input's gradient, which it cannot")
+    assert cause in reported(out, 'DEVICE0'), out.stdout
+    assert cause in reported(out, 'DEVICE1'), out.stdout
+    assert float(reported(out, 'SECONDS')) < 30
+
+
+TIMED_OUT = '''
+import gluon_syncbn
+gluon_syncbn.configure_cpu_contexts(2)
+import mxnet as mx
+from mxnet import autograd
+from gluon_syncbn.registry import SESSION
+ctxs = [mx.cpu(0), mx.cpu(1)]
+bn = gluon_syncbn.SyncBatchNorm(in_channels=3, timeout=1)
+bn.initialize(ctx=ctxs)
+for step in range(3):
+    with autograd.record():  # cpu(1) never calls
+        y = bn(mx.nd.ones((2, 3, 2, 2), ctx=ctxs[0]))
+    try:
+        y.wait_to_read()
+    except mx.base.MXNetError as exc:
+        print('STEP%d' % step, 'missing: cpu(1)' in str(exc))
+print('PENDING', SESSION._native.gsbn_pending_exchanges() if SESSION._native else '-')
+print('BARRIER', len(bn._sync_group().barrier._exchanges))
+'''
+
+
+@pytest.mark.parametrize('operator', ['async', 'python'])
+def test_timed_out_exchanges_are_not_kept(operator):
+    # A device that never calls leaves nothing behind in either meeting (the
+    # native session's, the Python operator's barrier) after each timeout.
+    out = python(TIMED_OUT, GLUON_SYNCBN_BACKEND=operator)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert [reported(out, 'STEP%d' % i) for i in range(3)] == ['True'] * 3, out.stdout
+    assert reported(out, 'PENDING' if operator == 'async' else 'BARRIER') == '0', out.stdout

@@ -227,8 +227,9 @@ def _declare(lib):
     lib.gsbn_transport_loopback.argtypes = [c.c_int, c.c_char_p, c.c_double]
     lib.gsbn_transport_close.argtypes = [c.c_int, c.c_char_p]
     lib.gsbn_transport_close.restype = None
-    lib.gsbn_staging_layers.argtypes = []
-    lib.gsbn_staging_layers.restype = c.c_int64
+    for name in ('gsbn_staging_layers', 'gsbn_pending_exchanges'):
+        getattr(lib, name).argtypes = []
+        getattr(lib, name).restype = c.c_int64
     lib.gsbn_store_queued.argtypes = [c.c_int]
     lib.gsbn_store_queued.restype = c.c_int64
     for name in ('gsbn_store_acquire', 'gsbn_store_release'):
@@ -343,7 +344,7 @@ def _selftest(path, part):
                               capture_output=True, text=True, timeout=SELFTEST_SECONDS,
                               env=dict(os.environ, **{SELFTEST_VARIABLE: '1'}))
     except subprocess.TimeoutExpired:
-        return 'it took more than %ds%s' % (SELFTEST_SECONDS, RETRIED)
+        return 'it took more than %gs%s' % (SELFTEST_SECONDS, RETRIED % SELFTEST_SECONDS)
     output = (proc.stderr or proc.stdout)[-500:]
     if proc.returncode == 0 and 'ok' in proc.stdout.split():
         verdict = 'ok'
@@ -354,7 +355,7 @@ def _selftest(path, part):
     else:
         return 'it ended with %s: %s%s' % (
             'signal %d' % -proc.returncode if proc.returncode < 0 else
-            'exit %d' % proc.returncode, output.strip()[-300:], RETRIED)
+            'exit %d' % proc.returncode, output.strip()[-300:], RETRIED % SELFTEST_SECONDS)
     fd, tmp = tempfile.mkstemp(dir=os.path.dirname(marker))
     with os.fdopen(fd, 'w') as f:
         f.write(verdict)
@@ -363,7 +364,7 @@ def _selftest(path, part):
 
 
 RETRIED = ('; not a verdict on the build, so not kept: the next process runs the self-test '
-           'again at its first synchronized call (up to %ds)' % SELFTEST_SECONDS)
+           'again at its first synchronized call (up to %gs)')
 
 
 def take_errors(lib):

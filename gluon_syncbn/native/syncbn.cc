@@ -179,6 +179,14 @@ void gsbn_group_remove(const char* id) {
 // How many (layer, device) pairs hold exchange staging (for tests).
 int64_t gsbn_staging_layers() { return static_cast<int64_t>(staging_layers()); }
 
+// How many exchanges the barrier holds, over every live group (for tests).
+int64_t gsbn_pending_exchanges() {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  int64_t n = 0;
+  for (auto& g : live_groups_locked()) n += static_cast<int64_t>(g->exchanges.size());
+  return n;
+}
+
 uint64_t gsbn_token() {
   std::lock_guard<std::mutex> lock(g_mutex);
   return g_token;
