@@ -109,11 +109,13 @@ class _CrossProcessTransport(object):
         return None
 
     def attach(self, group_id, layer_name, forward_len, backward_len):
-        """Give the layer a slot for vectors of these lengths; must run on the
-        main thread, in network order."""
+        """Give the layer a slot for vectors of these lengths, once, in
+        network order (every thread calls the layers in that order)."""
         if group_id in self._slots:
             return
         with self._lock:
+            if group_id in self._slots:
+                return
             slot = len(self._slots)
             self._layers[slot] = layer_name
             self._init_slot(slot, wire.CHECKS + forward_len, wire.CHECKS + backward_len)

@@ -50,12 +50,13 @@ def main():
     results = {name: run(flag, args, os.path.join(args.save_dir, name))
                for name, flag in (('BatchNorm', '--no-syncbn'), ('SyncBatchNorm', '--syncbn'))}
     lines = ['| 1 image/device, 4 CPU contexts, %d epochs | val mIoU (eval mode) | val pixAcc '
-             '(eval mode) | val mIoU (train mode) | eval-mode gap |' % args.epochs,
-             '|---|---|---|---|---|']
+             '(eval mode) | val mIoU (train mode) | eval-mode gap | training loss | seconds '
+             'per epoch (median) |' % args.epochs, '|---|---|---|---|---|---|---|']
     for name, r in results.items():
         tm = r['train_mode'][1]
-        lines.append('| %s | %.3f | %.3f | %.3f | %+.3f |' % (name, r['miou'], r['pixacc'], tm,
-                                                              r['miou'] - tm))
+        lines.append('| %s | %.3f | %.3f | %.3f | %+.3f | %.3f | %.1f |' % (
+            name, r['miou'], r['pixacc'], tm, r['miou'] - tm, r['loss'][-1],
+            sorted(r['seconds'])[len(r['seconds']) // 2]))
     json.dump(results, open(os.path.join(args.save_dir, 'compare.json'), 'w'), indent=1)
     open(os.path.join(args.save_dir, 'compare.md'), 'w').write('\n'.join(lines) + '\n')
     print('\n'.join(lines))

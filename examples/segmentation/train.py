@@ -227,8 +227,9 @@ def train(args):
         history['loss'].append(total / max(count, 1))
         history['pixacc'].append(pixacc)
         history['miou'].append(miou)
+        history.setdefault('seconds', []).append(time.time() - tic)  # training and evaluation
         log.info('epoch %d: loss %.4f, val pixAcc %.4f, mIoU %.4f (%.1fs)', epoch + 1,
-                 total / max(count, 1), pixacc, miou, time.time() - tic)
+                 total / max(count, 1), pixacc, miou, history['seconds'][-1])
         ckpt = os.path.join(args.save_dir, 'epoch_%04d.params' % (epoch + 1))
         net.save_parameters(ckpt)
         trainer.save_states(ckpt.replace('.params', '.states'))
@@ -237,7 +238,7 @@ def train(args):
         json.dump(history, open(history_file, 'w'), indent=1)
     result = {'pixacc': history['pixacc'][-1] if history['pixacc'] else None,
               'miou': history['miou'][-1] if history['miou'] else None,
-              'loss': history['loss']}
+              'loss': history['loss'], 'seconds': history.get('seconds', [])}
     if args.figures:
         figures(args, net, val_set, ctxs, history)
     return result

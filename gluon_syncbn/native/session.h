@@ -451,12 +451,18 @@ void complete_remote(const std::shared_ptr<Group>& g, const Key& key,
 }
 
 // Gives a layer whose sums leave the process its slot in the transport, at
-// its first call with `channels` channels (main thread, in network order:
-// the operators' FCreateOpState). False with `error` set if that failed.
+// its first call with `channels` channels (in network order, from whichever
+// thread calls first: the operators' FCreateOpState). False with `error` set
+// if that failed.
 bool attach_remote(Group& g, int64_t channels, std::string* error) {
   // Set before the group's first call and never changed: every imperative
   // call's state creation passes here, so a layer of one process takes no lock.
   if (!g.transport) return true;
+  // One layer at a time, each once, even when the devices' threads create
+  // their states at once (one Python thread per device): slots are numbered
+  // in the order of layers' first calls, identically on every worker.
+  static std::mutex& attaching = *new std::mutex();
+  std::lock_guard<std::mutex> one_at_a_time(attaching);
   std::shared_ptr<Transport> t;
   size_t sizes[2];
   {
