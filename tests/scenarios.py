@@ -147,7 +147,8 @@ def _layer_vs_reference(shape, sizes, axis, dtype, hybridize, steps, offset, mom
                  ref.running_var.data().asnumpy())
     errs['out_dtype_ok'] = float(all(a.dtype == np.dtype(dtype) for a in ys))
     errs['out_type'] = '%s.%s' % (type(ys[0]).__module__, type(ys[0]).__name__)
-    errs['operator'] = bn._group.operator  # which operator synchronized (see registry)
+    # Which operator synchronized (see registry); one device has none.
+    errs['operator'] = bn._group.operator if bn._group is not None else None
     if hybridize:
         # which normalization the cached graph uses now (see graph.channel_affine)
         errs['graph_uses_convolution'] = float('Convolution' in bn._cached_graph[1].tojson())

@@ -133,3 +133,29 @@ def test_interpreter_exit_lets_a_healthy_last_step_finish():
     assert 'Error in CustomOp' not in out.stdout + out.stderr, (out.stdout + out.stderr)[-3000:]
     assert 'interpreter is exiting' not in out.stdout + out.stderr
     assert out.returncode == 0
+
+
+def test_a_call_of_a_layers_earlier_devices_still_times_out():
+    # A call waits on two devices, then the layer is moved to three (its
+    # group made anew under the same layer): the waiting call still times
+    # out, although no table names its group any more.
+    code = ('import time, gluon_syncbn\n'
+            'gluon_syncbn.configure_cpu_contexts(3)\n'
+            'import mxnet as mx\n'
+            'from mxnet import autograd\n'
+            'ctxs = [mx.cpu(0), mx.cpu(1), mx.cpu(2)]\n'
+            'bn = gluon_syncbn.SyncBatchNorm(in_channels=3, timeout=2)\n'
+            'bn.initialize(ctx=ctxs[:2])\n'
+            'with autograd.record():  # cpu(1) never calls\n'
+            '    y = bn(mx.nd.ones((2, 3, 2, 2), ctx=ctxs[0]))\n'
+            'bn.collect_params().reset_ctx(ctxs)\n'
+            'with autograd.record():\n'
+            '    z = [bn(mx.nd.ones((2, 3, 2, 2), ctx=c)) for c in ctxs]\n'
+            'try:\n'
+            '    y.wait_to_read()\n'
+            'except mx.base.MXNetError as exc:\n'
+            '    print("WAITED", str(exc).splitlines()[0])\n')
+    start = time.time()
+    out = run_python(code, timeout=90)
+    assert 'within 2s; missing: cpu(1)' in out.stdout, (out.stdout + out.stderr)[-3000:]
+    assert time.time() - start < 60
