@@ -87,9 +87,9 @@ def check_gpus(layer, devices):
         if FIRST <= capability < LAST:
             continue
         raise SyncBatchNormError(
-            "SyncBatchNorm '%s': %s is an %s of compute capability %d.%d, on which MXNet "
-            "1.9.1 cannot run: its CUDA wheels carry machine code for compute capabilities "
+            "SyncBatchNorm '%s': %s is a GPU of compute capability %d.%d (%s), on which "
+            "MXNet 1.9.1 cannot run: its CUDA wheels carry machine code for compute capabilities "
             "5.0, 6.0, 7.0, 8.0 and 8.6 only, and no PTX to compile for newer GPUs, so none "
             "of MXNet's own kernels can execute there (\"no kernel image is available\"). "
             "Use GPUs of compute capability 5.0 to 8.9 (V100, T4, A100, A10, L4, RTX 30 or "
-            "40 series)." % ((layer, device, name) + capability))
+            "40 series)." % ((layer, device) + capability + (name,)))

@@ -136,7 +136,9 @@ class Session(object):
         MXNet's error path once per device at the same moment.
 
         The record lives on ``owner`` (nothing outlives it) and keeps only
-        calls some device has not made yet.
+        calls some device has not made yet, at most :data:`OPEN_CALLS` of
+        them (a device with an empty slice runs a hybridized network's layers
+        imperatively: the others never make those calls).
         """
         with self._dtypes_lock:
             record = owner.__dict__.get('_gluon_syncbn_dtypes')
@@ -149,6 +151,8 @@ class Session(object):
             seen[device] = dtype
             if len(seen) == num_devices:
                 del open_calls[call]
+            elif len(open_calls) > OPEN_CALLS:
+                del open_calls[next(iter(open_calls))]  # the oldest
             if len(set(seen.values())) <= 1:
                 return
         exc = SyncBatchNormError(messages.text(
@@ -239,6 +243,8 @@ class Session(object):
 
 
 SESSION = Session()
+# How many calls a dtype record keeps open: far more than one step issues.
+OPEN_CALLS = 4096
 
 LAST_BATCH_HINT = (
     "A device that never calls the layer usually means the batch had fewer samples than "

@@ -6,7 +6,7 @@ import pytest
 
 from gluon_syncbn.barrier import CallOrderBarrier
 from gluon_syncbn.errors import SyncBatchNormError, SyncBatchNormTimeout
-from gluon_syncbn.registry import Session
+from gluon_syncbn.registry import OPEN_CALLS, Session
 
 
 def summing_barrier(n, timeout=5.0, session=None):
@@ -143,6 +143,12 @@ def test_the_dtype_record_pairs_calls_by_number_and_keeps_nothing_finished():
         session.check_dtypes(layer, "'bn'", 2, device, dtype)
     with pytest.raises(SyncBatchNormError, match=r"cpu\(0\): float64, cpu\(1\): float16"):
         session.check_dtypes(layer, "'bn'", 2, 'cpu(1)', 'float16')
+    # Calls one device alone makes (an empty slice runs a hybridized net's
+    # layers imperatively) are kept up to a bound.
+    alone = Layer()
+    for _ in range(3 * OPEN_CALLS):
+        session.check_dtypes(alone, "'bn'", 2, 'cpu(0)', 'float32')
+    assert len(alone._gluon_syncbn_dtypes[2]) == OPEN_CALLS
 
 
 def test_a_new_owner_never_sees_an_old_ones_calls():
