@@ -7,7 +7,8 @@ one, so MXNet's own kernels run on compute capability 5.0 to 8.9 (V100, T4,
 A100, A10, L4, RTX 30 and 40 series) and on nothing newer: on Hopper (9.0:
 H100, H200) and later every MXNet kernel fails with "no kernel image is
 available", although cuDNN and cuBLAS would run. A layer on such a GPU says
-so at its first call instead.
+so at its first training call instead (inference runs MXNet's own BatchNorm,
+which fails there by itself).
 
 The capability is read from the CUDA runtime the GPU build already loaded
 (``cudaDeviceGetAttribute``), without creating a context or running a
