@@ -15,7 +15,7 @@ The capability is read from the CUDA runtime the GPU build already loaded
 kernel. Without that runtime (the CPU build) there is nothing to check.
 """
 import ctypes
-import threading
+import functools
 
 from .engine import in_host_memory
 from .errors import SyncBatchNormError
@@ -29,9 +29,6 @@ FIRST, LAST = (5, 0), (9, 0)
 _MAJOR, _MINOR = 75, 76  # cudaDevAttrComputeCapabilityMajor, ...Minor
 _PROPERTIES_SIZE = 4096  # more than any cudaDeviceProp; its name comes first
 _NAME_SIZE = 256
-
-_found = {}  # 'gpus': [(name, (major, minor))], read once
-_lock = threading.Lock()
 
 
 def gpu_properties(runtime=None):
@@ -64,11 +61,9 @@ def gpu_properties(runtime=None):
     return gpus
 
 
+@functools.lru_cache(maxsize=None)
 def _gpus():
-    with _lock:
-        if 'gpus' not in _found:
-            _found['gpus'] = gpu_properties()
-        return _found['gpus']
+    return gpu_properties()
 
 
 def check_gpus(layer, devices):

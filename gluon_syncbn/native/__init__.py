@@ -335,32 +335,38 @@ def _selftest(path, part):
     if os.environ.get(SELFTEST_VARIABLE) == '1':
         return 'ok'  # this is the self-test's process
     marker = '%s.%s%s.selftest' % (path, part, _driver_tag() if part == 'exchange' else '')
-    if os.path.exists(marker):
-        with open(marker) as f:
-            verdict = f.read()
-        return verdict if verdict == 'ok' else '%s; see %s' % (verdict.strip()[-300:], marker)
+    if not os.path.exists(marker):
+        verdict, definite = _run_selftest(part)
+        if not definite:
+            return verdict
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(marker))
+        with os.fdopen(fd, 'w') as f:
+            f.write(verdict)
+        os.replace(tmp, marker)
+    with open(marker) as f:
+        verdict = f.read()
+    return verdict if verdict == 'ok' else '%s; see %s' % (verdict.strip()[-300:], marker)
+
+
+def _run_selftest(part):
+    """``(verdict, definite)``: the outcome of ``selftest.py <part>`` in a
+    subprocess, and whether it is a verdict on the build."""
     try:
         proc = subprocess.run([sys.executable, '-m', 'gluon_syncbn.native.selftest', part],
                               capture_output=True, text=True, timeout=SELFTEST_SECONDS,
                               env=dict(os.environ, **{SELFTEST_VARIABLE: '1'}))
     except subprocess.TimeoutExpired:
-        return 'it took more than %gs%s' % (SELFTEST_SECONDS, RETRIED % SELFTEST_SECONDS)
+        return 'it took more than %gs%s' % (SELFTEST_SECONDS, RETRIED % SELFTEST_SECONDS), False
     output = (proc.stderr or proc.stdout)[-500:]
     if proc.returncode == 0 and 'ok' in proc.stdout.split():
-        verdict = 'ok'
-    elif proc.returncode == FAILED_EXIT:
-        verdict = 'failed: %s' % output
-    elif -proc.returncode in CRASH_SIGNALS:
-        verdict = 'crashed (%s): %s' % (signal.Signals(-proc.returncode).name, output)
-    else:
-        return 'it ended with %s: %s%s' % (
-            'signal %d' % -proc.returncode if proc.returncode < 0 else
-            'exit %d' % proc.returncode, output.strip()[-300:], RETRIED % SELFTEST_SECONDS)
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(marker))
-    with os.fdopen(fd, 'w') as f:
-        f.write(verdict)
-    os.replace(tmp, marker)
-    return verdict if verdict == 'ok' else '%s; see %s' % (verdict.strip()[-300:], marker)
+        return 'ok', True
+    if proc.returncode == FAILED_EXIT:
+        return 'failed: %s' % output, True
+    if -proc.returncode in CRASH_SIGNALS:
+        return 'crashed (%s): %s' % (signal.Signals(-proc.returncode).name, output), True
+    return 'it ended with %s: %s%s' % (
+        'signal %d' % -proc.returncode if proc.returncode < 0 else 'exit %d' % proc.returncode,
+        output.strip()[-300:], RETRIED % SELFTEST_SECONDS), False
 
 
 RETRIED = ('; not a verdict on the build, so not kept: the next process runs the self-test '

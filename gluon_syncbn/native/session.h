@@ -561,9 +561,7 @@ void exchange_async(Group& g, const Key& key, int device, std::vector<double> va
       ex->values[device] = std::move(value);
       ex->dtypes[device] = dtype;
       ex->waiters.emplace_back(device, std::move(done));
-      if (!ex->error.empty()) {
-        dispatch_locked(g, key, ex);
-      } else if (++ex->arrived == n) {
+      if (++ex->arrived == n) {
         std::string failure = combine_locked(g, key, ex);
         if (!failure.empty()) abort_locked(failure);
       } else if (ex->deadline < g_watchdog_wake) {
