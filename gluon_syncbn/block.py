@@ -1,21 +1,21 @@
-"""The SyncBatchNorm layer: arguments, parameters, input checks, and which operator runs."""
+"""The SyncBatchNorm layer: arguments, parameters, input checks, and when
+it synchronizes. How it does is its backend's business (:mod:`.backends`)."""
 import os
-import weakref
 
-from mxnet import autograd
+from mxnet import autograd, ndarray
 from mxnet.gluon import HybridBlock
 from mxnet.util import is_np_array, is_np_shape
 
 from . import messages
-from . import native
-from . import registry
-from .graph import LOW_PRECISION, VectorGraph
-from .transport import make_transport
-from .engine import check_cpu_contexts, is_naive_engine, mkldnn_active
-from .gpus import check_gpus
-from .mxnet_private import dtype_name
+from .backends import make_backend
+from .backends.vector_graph import LOW_PRECISION
+from .cpu_contexts import check_cpu_contexts, is_naive_engine
 from .errors import SyncBatchNormError
+from .gpus import check_gpus
 from .groups import check_sync_groups
+from .mxnet_private import dtype_name
+from .session import SESSION, SETUP_LOCK
+from .transport import make_transport
 
 __all__ = ['SyncBatchNorm']
 
@@ -26,24 +26,6 @@ def default_timeout():
     """Seconds to wait for the other devices: ``GLUON_SYNCBN_TIMEOUT`` or 180."""
     value = os.environ.get('GLUON_SYNCBN_TIMEOUT')
     return float(value) if value else DEFAULT_TIMEOUT
-
-
-def _array_getter(block):
-    """``(device, which) -> arrays`` of ``block``, without keeping it alive.
-
-    ``which='running'``: the running mean and variance; ``which='written'``: every
-    array a call writes (running statistics, gamma and beta gradients).
-    """
-    ref = weakref.ref(block)
-
-    def arrays(device, which):
-        layer = ref()
-        ctx = next(c for c in layer.running_mean.list_ctx() if str(c) == device)
-        found = [layer.running_mean.data(ctx), layer.running_var.data(ctx)]
-        if which == 'written':
-            found += [p.grad(ctx) for p in (layer.gamma, layer.beta) if p.grad_req != 'null']
-        return found
-    return arrays
 
 
 class SyncBatchNorm(HybridBlock):
@@ -135,14 +117,13 @@ class SyncBatchNorm(HybridBlock):
         self._timeout = float(timeout) if timeout is not None else default_timeout()
         self._transport = make_transport(kvstore)
         self._sync_groups = check_sync_groups(sync_groups)
-        self._group_id = registry.new_group_id()
-        self._group = None
-        self._checked_devices = None
+        self._sync_backend = None
+        # The parameters' context list the checks passed for (Parameter keeps
+        # one list until it is initialized again), and its device count.
+        self._checked_contexts = None
+        self._synchronizes = False
         self._input_dtype = 'float32'
         self._static_shape = False
-        self._fast_ops = False
-        # Not at interpreter exit: the exit hook still needs the group then.
-        weakref.finalize(self, registry.unregister, self._group_id).atexit = False
         if in_channels != 0:
             self.in_channels = in_channels
         self.gamma = self.params.get('gamma', grad_req='write' if scale else 'null',
@@ -182,9 +163,12 @@ class SyncBatchNorm(HybridBlock):
     def _devices(self):
         return [str(c) for c in self.gamma.list_ctx()]
 
-    def _check_devices(self, devices):
-        """Raise if this layer cannot run on ``devices``: checked at the first
-        training call on them, before any library work."""
+    def _check_devices(self, contexts):
+        """Raise if this layer cannot run on ``contexts``: checked at the
+        first training call on them, before any library work. Then whether
+        it synchronizes: not on one device in one process, where it is
+        ``nn.BatchNorm``."""
+        devices = [str(c) for c in contexts]
         if self._num_devices is not None and self._num_devices != len(devices):
             raise SyncBatchNormError(
                 "SyncBatchNorm '%s': num_devices=%d but its parameters are initialized on %d "
@@ -198,37 +182,34 @@ class SyncBatchNorm(HybridBlock):
                 "SyncBatchNorm '%s': MXNET_ENGINE_TYPE=NaiveEngine runs operators one at a "
                 "time, so device 0 would wait forever for device 1. Unset it (use "
                 "ThreadedEnginePerDevice) or train on one device." % self.name)
-        self._checked_devices = devices
+        self._synchronizes = len(devices) > 1 or self._transport.cross_process
+        self._checked_contexts = contexts
 
-    def _sync_group(self, devices=None):
-        """The registry entry for ``devices`` (default: the parameters'
-        contexts), created at the first call on them, once, whichever of the
-        devices' threads comes first."""
-        devices = devices or self._devices()
-        group = self._group
-        if group is not None and group.devices == devices:
-            return group
-        with registry.SETUP_LOCK:
-            group = self._group
-            if group is None or group.devices != devices:
+    def _backend_for(self, contexts):
+        """The backend for ``contexts``, made at the first call on them,
+        once, whichever of the devices' threads comes first."""
+        backend = self._sync_backend
+        if backend is not None and backend.contexts is contexts:
+            return backend
+        with SETUP_LOCK:
+            backend = self._sync_backend
+            devices = [str(c) for c in contexts]
+            if backend is not None and backend.devices == devices:
+                # The same devices in a new list (deferred initialization
+                # traces with one list and runs with another): graphs
+                # traced already hold this backend.
+                backend.contexts = contexts
+            elif backend is None or backend.contexts is not contexts:
                 check_cpu_contexts(self.name, devices)
-                group = registry.SyncGroup(self._group_id, self.name, devices,
-                                           self._kwargs['axis'], self._timeout,
-                                           transport=self._transport,
-                                           arrays=_array_getter(self),
-                                           sync_groups=self._sync_groups)
-                self._fast_ops = (mkldnn_active() and group.host_memory and
-                                  os.environ.get('GLUON_SYNCBN_CONV_NORMALIZE', '1') != '0')
-                registry.register(group)
-                self._group = group
-        return group
+                backend = self._sync_backend = make_backend(self, devices, self._transport)
+        return backend
 
     def _check_input(self, x):
         try:
             self._validate_input(x)
         except SyncBatchNormError as exc:
             # Devices issued before this one would wait for it: fail them now.
-            registry.SESSION.fail_step(exc)
+            SESSION.fail_step(exc)
             raise
 
     def _validate_input(self, x):
@@ -261,42 +242,32 @@ class SyncBatchNorm(HybridBlock):
         return self._forward(F, x, gamma, beta, running_mean, running_var)
 
     def _forward(self, F, x, gamma, beta, running_mean, running_var):
-        imperative = not hasattr(F, 'Variable')
+        imperative = F is ndarray
         if imperative:
             self._check_input(x)
         if self._kwargs['use_global_stats'] or (imperative and not autograd.is_training()):
             # Inference: running statistics, no synchronization at all.
             return F.BatchNorm(x, gamma, beta, running_mean, running_var, name='fwd',
                                **dict(self._kwargs, use_global_stats=True))
-        devices = self._devices()
-        if devices != self._checked_devices:
-            self._check_devices(devices)
-        if len(devices) == 1 and not self._transport.cross_process:
+        contexts = self.gamma.list_ctx()
+        if contexts is not self._checked_contexts:
+            self._check_devices(contexts)
+        if not self._synchronizes:
             # Nothing to synchronize: be nn.BatchNorm, kernel and all, with no
             # library work. (Like nn.BatchNorm's, float16 input takes float32
             # parameters, and float64 running statistics have float32's
             # precision on CPU.)
             return F.BatchNorm(x, gamma, beta, running_mean, running_var, name='fwd',
                                **self._kwargs)
-        group = self._sync_group(devices)
-        dtype = dtype_name(x.dtype) if imperative else self._input_dtype
+        backend = self._backend_for(contexts)
         if imperative:
-            registry.SESSION.clear_failed_arrays()
-            registry.SESSION.check_dtypes(self, "'%s'" % self.name, len(devices),
-                                          str(x.context), dtype)
-        if group.operator == 'async':
-            # One native operator of MXNet's own kind does it all, without a
-            # custom operator's threads (native/async_op.h). It reads and
-            # writes every float dtype as it is, so no Cast surrounds it.
-            sync = native.async_operator()[F]
-            return sync(x, gamma, beta, running_mean, running_var, group=group.group_id,
-                        eps=self._kwargs['eps'], momentum=self._kwargs['momentum'],
-                        fix_gamma=self._kwargs['fix_gamma'], static_shape=self._static_shape,
-                        axis=self._kwargs['axis'], input_dtype=dtype, name='sync')
-        # The exchange or the Python operator: MXNet's operators compute the
-        # moments around it (graph.py).
-        return VectorGraph(group, dtype, self._kwargs, self._static_shape, self._fast_ops,
-                           self.gamma)(F, x, gamma, beta, running_mean, running_var, imperative)
+            dtype = dtype_name(x.dtype)
+            SESSION.clear_failed_arrays()
+            SESSION.check_dtypes(self, "'%s'" % self.name, len(contexts), str(x.context), dtype)
+        else:
+            dtype = self._input_dtype
+        return backend.forward(F, x, gamma, beta, running_mean, running_var, dtype,
+                               self._static_shape, imperative)
 
     def __repr__(self):
         s = '{name}({content}'

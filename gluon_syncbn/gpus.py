@@ -17,7 +17,7 @@ kernel. Without that runtime (the CPU build) there is nothing to check.
 import ctypes
 import functools
 
-from .engine import in_host_memory
+from .cpu_contexts import in_host_memory
 from .errors import SyncBatchNormError
 
 __all__ = ['RUNTIME_LIBRARY', 'gpu_properties', 'check_gpus']

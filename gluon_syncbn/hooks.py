@@ -33,13 +33,14 @@ import atexit
 import re
 import threading
 
+import mxnet as mx
+
 from . import messages
 from .errors import SyncBatchNormError, last_failure, take_failures
 from .mxnet_private import FAILED_CALL_TEXT, dtype_name
+from .session import SESSION
 
-__all__ = ['CENTER_OP', 'install_error_text_hook', 'install_record_abort_hook',
-           'install_exit_abort_hook', 'install_cached_op_hook', 'install_trainer_hook',
-           'request_retrace']
+__all__ = ['CENTER_OP', 'install', 'request_retrace']
 
 _CUSTOM_OP_MARKERS = ('kCustomOpForward', 'kCustomOpBackward', 'kCustomOpProp')
 
@@ -185,7 +186,7 @@ def install_cached_op_hook(hybrid_block_class, session, is_training):
             # call rebuild it).
             graph, layers = getattr(self, '_gluon_syncbn_layers', (None, None))
             if layers is None or graph is not self._cached_op:
-                found = [b for b in _blocks(self) if hasattr(b, '_group_id')]
+                found = [b for b in _blocks(self) if hasattr(b, '_backend_for')]
                 layers = (', '.join("'%s'" % b.name for b in found),
                           len(found[0].gamma.list_ctx())) if found else ()
                 self._gluon_syncbn_layers = (self._cached_op, layers)
@@ -222,3 +223,18 @@ def install_trainer_hook(trainer_class, session, waitall):
 
     trainer_class._init_params = _init_params
     trainer_class._gluon_syncbn_trainer_hooked = True
+
+
+def install():
+    """Install every hook (idempotent); each does nothing until a layer has
+    synchronized."""
+    install_error_text_hook(mx.base.MXNetError)
+    install_record_abort_hook(mx.autograd._RecordingStateScope, SESSION,
+                              mx.autograd.is_recording, mx.autograd.is_training)
+    install_exit_abort_hook(SESSION, mx.nd.waitall)
+    install_cached_op_hook(mx.gluon.HybridBlock, SESSION, mx.autograd.is_training)
+    install_trainer_hook(mx.gluon.Trainer, SESSION, mx.nd.waitall)
+
+
+# At import (gluon_syncbn imports this with the layer).
+install()

@@ -174,8 +174,7 @@ def fail_custom_call(hold, probe, failure, lib=None):
     ``hooks`` replaces with ``failure`` (recorded by ``errors.record_failure``
     first)."""
     text = '%s: %s' % (type(failure).__name__, failure)
-    if lib is not None and lib.gsbn_fail_python_call(
-            hold.handle, probe.handle, text.encode('utf-8', 'replace')) == 0:
+    if lib is not None and lib.fail_python_call(hold.handle, probe.handle, text) == 0:
         return
     import mxnet as mx
     source = mx.nd.zeros((1,), ctx=hold.context, dtype=hold.dtype)

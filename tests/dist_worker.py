@@ -123,7 +123,7 @@ def layer(backend, devices, sizes, shape=(3, 4, 5), axis=1, steps=2, hybridize=F
             errs.note('running_mean', bn.running_mean.data(c).asnumpy(), run[i][0])
             errs.note('running_var', bn.running_var.data(c).asnumpy(), run[i][1])
         issued = []
-    return dict(errs, rank=worker.rank, operator=bn._group.operator)
+    return dict(errs, rank=worker.rank, operator=bn._sync_backend.name)
 
 
 def _trainer(worker, net, update_on_kvstore):
@@ -213,7 +213,7 @@ def _operators(net):
 
     def look(block):
         if getattr(block, '_group', None) is not None:
-            found.add(block._group.operator)
+            found.add(block._sync_backend.name)
     net.apply(look)
     return found
 

@@ -147,8 +147,8 @@ def _layer_vs_reference(shape, sizes, axis, dtype, hybridize, steps, offset, mom
                  ref.running_var.data().asnumpy())
     errs['out_dtype_ok'] = float(all(a.dtype == np.dtype(dtype) for a in ys))
     errs['out_type'] = '%s.%s' % (type(ys[0]).__module__, type(ys[0]).__name__)
-    # Which operator synchronized (see registry); one device has none.
-    errs['operator'] = bn._group.operator if bn._group is not None else None
+    # Which backend synchronized (see gluon_syncbn.backends); one device has none.
+    errs['operator'] = bn._sync_backend.name if bn._sync_backend is not None else None
     if hybridize:
         # which normalization the cached graph uses now (see graph.channel_affine)
         errs['graph_uses_convolution'] = float('Convolution' in bn._cached_graph[1].tojson())
@@ -210,7 +210,7 @@ def head_dtypes(out_dtype='float32', heads=('float16', 'bfloat16', 'float32', 'f
         results[head] = {'y': max_rel_err(y, y64), 'dx': max_rel_err(dx, dx64),
                          'dx_dtype_ok': float(all(a.grad.dtype == np.dtype(out_dtype)
                                                   for a in xs))}
-    results['operator'] = bn._group.operator
+    results['operator'] = bn._sync_backend.name
     return results
 
 
@@ -1026,7 +1026,7 @@ def run_ahead(hybridize=False, calls=2, sizes=(3, 5), steps=20, micro_steps=2, s
     for c in ctxs:
         errs.note('running_mean', net.bn.running_mean.data(c).asnumpy(), run_mean)
         errs.note('running_var', net.bn.running_var.data(c).asnumpy(), run_var)
-    errs['operator'] = net.bn._group.operator
+    errs['operator'] = net.bn._sync_backend.name
     return errs
 
 
@@ -1079,7 +1079,7 @@ def store_shared_with_trainer(steps=4, sizes=(3, 5), hybridize=False, seed=0):
     for c in ctxs:
         errs.note('running_mean', net.bn.running_mean.data(c).asnumpy(), run_mean)
         errs.note('running_var', net.bn.running_var.data(c).asnumpy(), run_var)
-    errs['operator'] = net.bn._group.operator
+    errs['operator'] = net.bn._sync_backend.name
     errs['queued'] = transport.native and gluon_syncbn.registry.SESSION._native.gsbn_store_queued(
         transport.native)
     return errs
@@ -1208,7 +1208,7 @@ def gluoncv_threads(num_devices=2, batch=7, hybridize=False, steps=3, seed=0):
             errs.note('running_mean', layer.running_mean.data(c).asnumpy(), mean)
             errs.note('running_var', layer.running_var.data(c).asnumpy(), var)
     errs['slices'] = [int(p.shape[0]) for p in steps_done[0][0]]
-    errs['operator'] = net[0]._group.operator
+    errs['operator'] = net[0]._sync_backend.name
     errs['warnings'] = sum('gluon_syncbn' in str(w.message) for w in caught)
     return errs
 

@@ -27,8 +27,8 @@ xs = [mx.nd.array(x[:2], ctx=ctx[0]), mx.nd.array(x[2:], ctx=ctx[1])]
 with autograd.record():
     ys = [bn(a) for a in xs]
 y64 = batchnorm_float64(x, np.ones_like(x), np.ones(3), np.zeros(3))[0]
-print('OPERATOR', bn._sync_group().operator)
-print('WHY', repr(bn._sync_group().why_python))
+print('OPERATOR', bn._sync_backend.name)
+print('WHY', repr(bn._sync_backend.reason))
 print('ERROR', max_rel_err(np.concatenate([y.asnumpy() for y in ys]), y64))
 '''
 
@@ -285,7 +285,7 @@ def train_once():
         ys = [net(mx.nd.random.uniform(shape=(2, 3, 4), ctx=c)) for c in ctx]
     autograd.backward(ys)
     mx.nd.waitall()
-    print('ALIVE', net[0]._sync_group().operator, SESSION._native.gsbn_staging_layers())
+    print('ALIVE', net[0]._sync_backend.name, SESSION._native.gsbn_staging_layers())
 
 for _ in range(3):
     train_once()

@@ -14,6 +14,7 @@
 #include <cmath>
 #include <condition_variable>
 #include <cstdint>
+#include <cstdlib>
 #include <cstdio>
 #include <cstring>
 #include <deque>
@@ -45,9 +46,14 @@ std::mutex& g_mutex = *new std::mutex();  // guards every structure below and ev
 uint64_t g_token = 0;        // the current step; advanced by every abort
 uint64_t g_issue_token = 0;  // what calls issued now get: g_token as of the step's start
 std::string& g_cause = *new std::string();
-std::deque<std::string>& g_errors = *new std::deque<std::string>();  // "Kind\tmessage", oldest first
-std::map<std::string, std::shared_ptr<Group>>& g_groups =
-    *new std::map<std::string, std::shared_ptr<Group>>();
+// (kind, message): the failures not yet handed to Python, oldest first.
+std::deque<std::pair<std::string, std::string>>& g_errors =
+    *new std::deque<std::pair<std::string, std::string>>();
+// Every layer's group by its handle (the operators' `group` argument),
+// handed out once per group and never reused.
+std::map<int64_t, std::shared_ptr<Group>>& g_groups =
+    *new std::map<int64_t, std::shared_ptr<Group>>();
+int64_t g_next_handle = 1;
 // Every group an operator may still hold, also one g_groups no longer names
 // (a layer re-created on other devices, or garbage-collected while a call
 // of it waits): the watchdog and aborts reach every waiting exchange.
@@ -70,7 +76,7 @@ std::chrono::steady_clock::time_point g_watchdog_wake;
 typedef std::tuple<int, uint64_t, int64_t> Key;  // (0 fwd / 1 bwd, token, call number)
 
 void record_locked(const std::string& kind, const std::string& message) {
-  std::string entry = kind + "\t" + message;
+  const auto entry = std::make_pair(kind, message);
   for (const auto& e : g_errors) if (e == entry) return;
   if (g_errors.size() >= 8) g_errors.pop_front();
   g_errors.push_back(entry);
@@ -574,7 +580,7 @@ void exchange_async(Group& g, const Key& key, int device, std::vector<double> va
 
 std::shared_ptr<Group> find_group(const std::string& id, std::string* error) {
   std::lock_guard<std::mutex> lock(g_mutex);
-  auto it = g_groups.find(id);
+  auto it = g_groups.find(std::strtoll(id.c_str(), nullptr, 10));
   if (it != g_groups.end()) return it->second;
   *error = message("unknown_group", {{"group", id}});
   return nullptr;

@@ -44,29 +44,117 @@
 #include "exchange_op.h"
 
 // ----------------------------------------------------- interface to Python --
-// Loaded with ctypes by gluon_syncbn/native/__init__.py. Strings are UTF-8.
+// Loaded with ctypes by gluon_syncbn/native/library.py, the only caller:
+// every entry point is declared there. Strings are UTF-8.
+
+namespace {
+
+int copy_out(const std::string& text, char* buf, int size) {
+  if (size > 0) std::snprintf(buf, size, "%s", text.c_str());
+  return static_cast<int>(text.size());
+}
+
+}  // namespace
 
 extern "C" {
 
-// Sets the wording of message `name` (gluon_syncbn/messages.py's templates;
-// messages.h), before any operator is registered.
-void gsbn_set_message(const char* name, const char* text) { message_templates()[name] = text; }
+// The wording of every message (NUL-separated name and template pairs,
+// ended by an empty name; gluon_syncbn/messages.py), and room in MXNet's
+// list of engine errors (see reserve_engine_errors). Once, at load.
+void gsbn_init(const char* templates) {
+  for (const char* p = templates; *p; p += std::strlen(p) + 1) {
+    const char* text = p + std::strlen(p) + 1;
+    message_templates()[p] = text;
+    p = text;
+  }
+  reserve_engine_errors(kReservedEngineErrors);
+}
 
-// Registers the asynchronous operator (_gluon_syncbn_sync); 0 on success.
-int gsbn_register_async() {
-  register_async_op();
+// Registers operator "async" (_gluon_syncbn_sync) or "exchange"
+// (_gluon_syncbn_exchange); 0 on success.
+int gsbn_register(const char* op) {
+  const std::string which = op;
+  if (which == "async") register_async_op();
+  else if (which == "exchange") register_exchange_op();
+  else return 1;
   return 0;
 }
 
-// Registers the exchange operator (_gluon_syncbn_exchange); 0 on success.
-int gsbn_register_exchange() {
-  register_exchange_op();
-  return 0;
+// A layer's group: its devices (NUL-separated names), each one's sync group,
+// and across processes the transport its sums leave through (0: none) with
+// this worker's `num_owners` entries of the global device ownership vector.
+// Returns its handle, the operators' `group` argument.
+int64_t gsbn_group_create(const char* name, const char* devices, int num_devices,
+                          double timeout, const char* hint, const int* sync_group_of,
+                          int num_sync_groups, int transport, const double* owners,
+                          int num_owners) {
+  auto g = std::make_shared<Group>();
+  g->name = name;
+  g->hint = hint;
+  g->timeout = timeout;
+  const char* d = devices;
+  for (int i = 0; i < num_devices; ++i, d += std::strlen(d) + 1) g->devices.emplace_back(d);
+  g->subgroup.assign(sync_group_of, sync_group_of + num_devices);
+  g->num_subgroups = num_sync_groups;
+  g->next_call.assign(num_devices, 0);
+  if (transport > 0) {
+    g->transport = find_transport(transport);
+    g->ownership.assign(owners, owners + num_owners);
+  }
+  std::lock_guard<std::mutex> lock(g_mutex);
+  const int64_t handle = g_next_handle++;
+  g_groups[handle] = g;
+  g_live.push_back(g);
+  return handle;
 }
 
-// Makes room in MXNet's list of engine errors (see reserve_engine_errors);
-// called once, before the first layer's first call.
-void gsbn_reserve_engine_errors() { reserve_engine_errors(kReservedEngineErrors); }
+// static_shape graphs: device `device`'s running mean and variance arrays (the
+// Parameter's own NDArrays, whose handles the Python backend keeps valid),
+// which the exchange operator updates in engine order.
+void gsbn_group_set_running(int64_t group, int device, NDArrayHandle mean, NDArrayHandle var) {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  auto it = g_groups.find(group);
+  if (it == g_groups.end()) return;
+  auto& running = it->second->running;
+  if (running.size() <= static_cast<size_t>(device)) running.resize(device + 1);
+  running[device] = {mean, var};
+}
+
+// A layer was garbage-collected: its group and its staging go.
+void gsbn_group_remove(int64_t group) {
+  forget_layer_staging(std::to_string(group));
+  std::lock_guard<std::mutex> lock(g_mutex);
+  g_groups.erase(group);
+}
+
+// The current step's token; `begin`: a training step begins first (Python's
+// record()/train_mode() scope is entered), so calls issued from now get it.
+uint64_t gsbn_step(int begin) {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  if (begin) g_issue_token = g_token;
+  return g_token;
+}
+
+// Aborts the step; `exiting`: at interpreter exit, which is never fatal.
+void gsbn_abort(const char* cause, int exiting) { abort_step(cause, exiting != 0); }
+
+// An error record, copied into kind and text: `which` 0, the oldest failure
+// not yet taken (returns 0 if there is none); 1, the cause of the last
+// abort; 2, why cross-process synchronization broke ("" if it did not).
+int gsbn_error(int which, char* kind, int kind_size, char* text, int text_size) {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  std::pair<std::string, std::string> record("SyncBatchNormError", "");
+  if (which == 0) {
+    if (g_errors.empty()) return 0;
+    record = g_errors.front();
+    g_errors.pop_front();
+  } else {
+    record.second = which == 1 ? g_cause : g_broken;
+  }
+  copy_out(record.first, kind, kind_size);
+  copy_out(record.second, text, text_size);
+  return 1;
+}
 
 // Fails the Python operator's call whose callback got the arrays `hold` and
 // `probe` with `message`, after the calls failed before it (see failures.h,
@@ -75,66 +163,24 @@ int gsbn_fail_python_call(NDArrayHandle hold, NDArrayHandle probe, const char* m
   return fail_python_call(hold, probe, message);
 }
 
-// A layer's devices (NUL-separated names) and each one's sync group.
-void gsbn_group_create(const char* id, const char* name, const char* devices, int num_devices,
-                       double timeout, const char* hint, const int* subgroups,
-                       int num_subgroups) {
-  auto g = std::make_shared<Group>();
-  g->name = name;
-  g->hint = hint;
-  g->timeout = timeout;
-  const char* d = devices;  // num_devices NUL-separated names
-  for (int i = 0; i < num_devices; ++i, d += std::strlen(d) + 1) g->devices.emplace_back(d);
-  g->subgroup.assign(subgroups, subgroups + num_devices);
-  g->num_subgroups = num_subgroups;
-  g->next_call.assign(num_devices, 0);
-  std::lock_guard<std::mutex> lock(g_mutex);
-  g_groups[id] = g;
-  g_live.push_back(g);
-}
-
-// static_shape graphs: device `device`'s running mean and variance arrays (the
-// Parameter's own NDArrays, whose handles the Python group keeps valid), which
-// the exchange operator updates in engine order.
-void gsbn_group_set_running(const char* id, int device, NDArrayHandle mean, NDArrayHandle var) {
-  std::lock_guard<std::mutex> lock(g_mutex);
-  auto it = g_groups.find(id);
-  if (it == g_groups.end()) return;
-  auto& running = it->second->running;
-  if (running.size() <= static_cast<size_t>(device)) running.resize(device + 1);
-  running[device] = {mean, var};
-}
-
-// Across processes: the group's sums leave the process through transport
-// `transport` (gsbn_transport_*), with this worker's `num_owners` entries of
-// the global device ownership vector (none without sync_groups).
-void gsbn_group_set_transport(const char* id, int transport, const double* owners,
-                              int num_owners) {
-  auto t = find_transport(transport);
-  std::lock_guard<std::mutex> lock(g_mutex);
-  auto it = g_groups.find(id);
-  if (it == g_groups.end() || !t) return;
-  it->second->transport = t;
-  it->second->ownership.assign(owners, owners + num_owners);
-}
-
-// The transports (transport.h); each returns its id. `exit_grace`: how long
-// the process may live on after a fatal failure (fatal_locked).
-int gsbn_transport_kvstore(void* handle, int rank, int workers, const char* name,
-                           double exit_grace) {
+// A cross-process transport (transport.h), returning its id: "kvstore"
+// (`target`: the KVStore handle), "horovod" (`target`: Horovod 0.28's
+// horovod_mxnet_allreduce_async, `sum_op` its Sum) or, in test builds,
+// "loopback" (`name`: its mode). `exit_grace`: how long the process may
+// live on after a fatal failure (fatal_locked).
+int gsbn_transport_create(const char* kind, void* target, int sum_op, int rank, int workers,
+                          const char* name, double exit_grace) {
+  const std::string which = kind;
+  std::shared_ptr<Transport> t;
+  if (which == "kvstore") t = std::make_shared<KVStoreTransport>(target, rank, workers, name);
+  if (which == "horovod")
+    t = std::make_shared<HorovodTransport>(target, sum_op, rank, workers);
+#ifdef GSBN_TESTING
+  if (which == "loopback") t = std::make_shared<LoopbackTransport>(workers, name);
+#endif
+  if (!t) return 0;
   g_exit_grace = exit_grace;
-  return add_transport(std::make_shared<KVStoreTransport>(handle, rank, workers, name));
-}
-
-int gsbn_transport_horovod(void* allreduce, int sum_op, int rank, int workers,
-                           double exit_grace) {
-  g_exit_grace = exit_grace;
-  return add_transport(std::make_shared<HorovodTransport>(allreduce, sum_op, rank, workers));
-}
-
-int gsbn_transport_loopback(int workers, const char* mode, double exit_grace) {
-  g_exit_grace = exit_grace;
-  return add_transport(std::make_shared<LoopbackTransport>(workers, mode));
+  return add_transport(std::move(t));
 }
 
 // The kvstore behind `transport` was destroyed: its reductions fail with `why`.
@@ -144,78 +190,30 @@ void gsbn_transport_close(int transport, const char* why) {
 }
 
 // The store lock of a kvstore transport, for Python's wrappers of the
-// store's methods (transport.py): acquire may wait (ctypes releases the GIL);
-// release first issues what engine threads queued meanwhile.
-void gsbn_store_acquire(int transport) {
+// store's methods (transport.py): acquiring may wait (ctypes releases the
+// GIL); releasing first issues what engine threads queued meanwhile.
+void gsbn_store_lock(int transport, int acquire) {
   auto t = find_kvstore(transport);
-  if (t) t->lock.acquire();
+  if (t && acquire) t->lock.acquire();
+  else if (t) t->lock.release();
 }
 
-void gsbn_store_release(int transport) {
-  auto t = find_kvstore(transport);
-  if (t) t->lock.release();
-}
-
-// How many reductions engine threads left to the holder of the store lock.
-int64_t gsbn_store_queued(int transport) {
-  auto t = find_kvstore(transport);
-  return t ? t->lock.queued() : -1;
-}
-
-// Why cross-process synchronization broke ("" if it did not), copied into buf.
-int gsbn_broken(char* buf, int size) {
-  std::lock_guard<std::mutex> lock(g_mutex);
-  std::snprintf(buf, size, "%s", g_broken.c_str());
-  return static_cast<int>(g_broken.size());
-}
-
-// A layer was garbage-collected: its group and its staging go.
-void gsbn_group_remove(const char* id) {
-  forget_layer_staging(id);
-  std::lock_guard<std::mutex> lock(g_mutex);
-  g_groups.erase(id);
-}
-
-// How many (layer, device) pairs hold exchange staging (for tests).
-int64_t gsbn_staging_layers() { return static_cast<int64_t>(staging_layers()); }
-
-// How many exchanges the barrier holds, over every live group (for tests).
-int64_t gsbn_pending_exchanges() {
+#ifdef GSBN_TESTING
+// Counters for tests: (layer, device) pairs holding exchange staging
+// ("staging"), exchanges the barrier holds ("exchanges"), reductions engine
+// threads left to the holder of `transport`'s store lock ("queued").
+int64_t gsbn_test_count(const char* what, int transport) {
+  const std::string which = what;
+  if (which == "staging") return static_cast<int64_t>(staging_layers());
+  if (which == "queued") {
+    auto t = find_kvstore(transport);
+    return t ? t->lock.queued() : -1;
+  }
   std::lock_guard<std::mutex> lock(g_mutex);
   int64_t n = 0;
   for (auto& g : live_groups_locked()) n += static_cast<int64_t>(g->exchanges.size());
   return n;
 }
-
-uint64_t gsbn_token() {
-  std::lock_guard<std::mutex> lock(g_mutex);
-  return g_token;
-}
-
-// A training step begins (Python's record()/train_mode() scope is entered).
-void gsbn_begin_step() {
-  std::lock_guard<std::mutex> lock(g_mutex);
-  g_issue_token = g_token;
-}
-
-// Aborts the step; `exiting`: at interpreter exit, which is never fatal.
-void gsbn_abort(const char* cause, int exiting) { abort_step(cause, exiting != 0); }
-
-// The cause of the last abort, copied into buf (at most size bytes).
-int gsbn_cause(char* buf, int size) {
-  std::lock_guard<std::mutex> lock(g_mutex);
-  std::snprintf(buf, size, "%s", g_cause.c_str());
-  return static_cast<int>(g_cause.size());
-}
-
-// Failures since the last call, "Kind\tmessage" lines, oldest first.
-int gsbn_take_errors(char* buf, int size) {
-  std::lock_guard<std::mutex> lock(g_mutex);
-  std::string out;
-  for (const auto& e : g_errors) out += e + "\n";
-  g_errors.clear();
-  std::snprintf(buf, size, "%s", out.c_str());
-  return static_cast<int>(out.size());
-}
+#endif  // GSBN_TESTING
 
 }  // extern "C"

@@ -303,6 +303,7 @@ class HorovodTransport : public Transport {
   int sum_op_;
 };
 
+#ifdef GSBN_TESTING  // tests only: see gluon_syncbn/native/__init__.py, TESTING_VARIABLE
 // --------------------------------------------------------------- loopback --
 // For tests: `workers` workers of which the others send what `mode` says, as
 // an engine operation on the buffer like a real engine's:
@@ -353,6 +354,7 @@ class LoopbackTransport : public Transport {
  private:
   std::string mode_;
 };
+#endif  // GSBN_TESTING
 
 // ------------------------------------------------------------- registry --
 // Transports by id, for Python; never destroyed (engine operations and the

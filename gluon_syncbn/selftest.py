@@ -21,8 +21,6 @@ from mxnet import autograd, gluon  # noqa: E402
 
 from gluon_syncbn import SyncBatchNorm, configure_cpu_contexts, native  # noqa: E402
 
-GROUP = '_gluon_syncbn_selftest'
-
 
 def reference(x, gamma, beta, w, eps):
     mean = x.mean(axis=(0, 2))
@@ -65,9 +63,8 @@ def main(part):
 def check_async(lib, x, w, gamma, beta, eps, expected):
     """The asynchronous operator on one CPU context."""
     ops = native.async_operator()
-    subgroups = (native.ctypes.c_int * 1)(0)
-    lib.gsbn_group_create(GROUP.encode(), b'selftest', b'cpu(0)', 1, 60.0, b'', subgroups, 1)
-    kwargs = dict(group=GROUP, eps=eps, momentum=0.9, fix_gamma=False, axis=1,
+    group = lib.create_group('selftest', ['cpu(0)'], 60.0, '', [0], 1)
+    kwargs = dict(group=group, eps=eps, momentum=0.9, fix_gamma=False, axis=1,
                   input_dtype='float64')
 
     class Layer(gluon.HybridBlock):
@@ -87,7 +84,7 @@ def check_async(lib, x, w, gamma, beta, eps, expected):
         y.backward(mx.nd.array(w, dtype='float64'))
         compare('the asynchronous operator', hybridize,
                 [y] + [a.grad for a in arrays] + running, expected)
-    lib.gsbn_group_remove(GROUP.encode())
+    lib.remove_group(group)
 
 
 def check_exchange(x, w, gamma, beta, eps, expected):
@@ -96,7 +93,7 @@ def check_exchange(x, w, gamma, beta, eps, expected):
     if mx.context.num_gpus() >= 2:
         ctxs = [mx.gpu(0), mx.gpu(1)]
     else:
-        os.environ[native.BACKEND_VARIABLE] = 'exchange'  # on CPU contexts too
+        os.environ['GLUON_SYNCBN_BACKEND'] = 'exchange'  # on CPU contexts too
         ctxs = [mx.cpu(0), mx.cpu(1)]
         configure_cpu_contexts(2)  # before MXNet's first operator
     for hybridize in (False, True):
@@ -115,7 +112,7 @@ def check_exchange(x, w, gamma, beta, eps, expected):
             ys = [layer(a) for a in xs]
         autograd.backward(ys, [mx.nd.array(w[:1], ctx=ctxs[0], dtype='float64'),
                                mx.nd.array(w[1:], ctx=ctxs[1], dtype='float64')])
-        if layer._sync_group().operator != 'exchange' or native.exchange_operator() is None:
+        if layer._sync_backend.name != 'exchange':
             fail('the layer did not take the exchange operator')
         total = lambda p: sum(p.grad(c).asnumpy() for c in ctxs)  # noqa: E731
         got = [np.concatenate([y.asnumpy() for y in ys]),

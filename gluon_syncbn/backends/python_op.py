@@ -11,23 +11,47 @@ not waited for, so nothing it does can queue behind work that waits for it.
 Data flow of one training call on device ``d``::
 
     local moments --> forward_contribution --> barrier (all devices, call #k)
-        --> group.reduce: sum + transport --> merge --> scale, shift  (and running stats)
+        --> backend.reduce: sum per sync group --> merge --> scale, shift  (and running stats)
 
 and of its backward::
 
     d scale, d shift --> backward_contribution --> barrier (key of call #k)
-        --> group.reduce: sum + transport --> local_moment_grads, d gamma, d beta
+        --> backend.reduce: sum per sync group --> local_moment_grads, d gamma, d beta
+
+It runs in one process only: across processes the native operators are required.
 """
+import itertools
+import weakref
+
 import numpy as np
 import mxnet as mx
 from mxnet.ndarray.ndarray import _DTYPE_MX_TO_NP
 
-from . import messages, stats, wire
-from .errors import SyncBatchNormError, record_failure
-from .mxnet_private import fail_custom_call, host_view
-from .registry import SESSION, get_group
+from .. import messages, stats, wire
+from ..errors import SyncBatchNormError, record_failure
+from ..mxnet_private import fail_custom_call, host_view
+from ..session import SESSION
 
 OP_TYPE = '_gluon_syncbn'
+
+# The Python backends by handle: MXNet creates a custom operator from string
+# arguments only, and the operator finds its layer's backend here.
+_backends = weakref.WeakValueDictionary()
+_handles = itertools.count(1)
+
+
+def register(backend):
+    """A handle for ``backend``, the operator's ``group`` argument."""
+    handle = next(_handles)
+    _backends[handle] = backend
+    return handle
+
+
+def _backend(handle):
+    backend = _backends.get(int(handle))
+    if backend is None:
+        raise SyncBatchNormError(messages.text('unknown_group', group=handle))
+    return backend
 
 
 def _write(dst, req, value, in_place):
@@ -75,19 +99,19 @@ def _count(shape, channels):
 class SyncBatchNormOp(mx.operator.CustomOp):
     """One device's instance of the synchronization operator."""
 
-    def __init__(self, group, device, eps, momentum, fix_gamma, static_shape, input_dtype,
+    def __init__(self, backend, device, eps, momentum, fix_gamma, static_shape, input_dtype,
                  row_sums):
         super(SyncBatchNormOp, self).__init__()
         self.input_dtype = input_dtype
         self.row_sums = row_sums
-        self.group = group
+        self.backend = backend
         self.device = device
         self.eps = eps
         self.momentum = momentum
         self.fix_gamma = fix_gamma
         self.static_shape = static_shape
-        self.in_place = group.host_memory
-        self.subgroup = group.subgroup_of[device]  # which row of the reduced sums is ours
+        self.in_place = backend.host_memory
+        self.sync_group = backend.sync_group_of[device]  # our row of the reduced sums
         # The step this call was issued in. A static_shape graph creates its
         # operators once, at the first call, so there it means nothing.
         self.token = None if static_shape else SESSION.issue_token()
@@ -97,14 +121,14 @@ class SyncBatchNormOp(mx.operator.CustomOp):
             self._forward(is_train, req, in_data, out_data, aux)
         except Exception as exc:  # pylint: disable=broad-except
             record_failure(exc)
-            fail_custom_call(in_data[0], in_data[1], exc, SESSION._native)
+            fail_custom_call(in_data[0], in_data[1], exc, SESSION.native)
 
     def backward(self, req, out_grad, in_data, out_data, in_grad, aux):
         try:
             self._backward(req, out_grad, in_data, out_data, in_grad, aux)
         except Exception as exc:  # pylint: disable=broad-except
             record_failure(exc)
-            fail_custom_call(in_grad[0], in_grad[1], exc, SESSION._native)
+            fail_custom_call(in_grad[0], in_grad[1], exc, SESSION.native)
 
     def _forward(self, is_train, req, in_data, out_data, aux):
         m1 = _read(in_data[0])
@@ -116,11 +140,11 @@ class SyncBatchNormOp(mx.operator.CustomOp):
             mean, var = _read(aux[0]), _read(aux[1])
             token, call, n = -1, -1, 0
         else:
-            barrier = self.group.barrier
+            barrier = self.backend.barrier
             key = barrier.next_forward_key(self.device, self.token)
             contribution = stats.forward_contribution(count, m1, m2, v)
             total = barrier.exchange(key, self.device, (contribution, self.input_dtype),
-                                     self.group.reduce, token=self.token)[self.subgroup]
+                                     self.backend.reduce, token=self.token)[self.sync_group]
             n, mean, var = stats.merge(total)
             self._update_running(aux, mean, var)
             token, call = key[1], key[2]
@@ -138,7 +162,7 @@ class SyncBatchNormOp(mx.operator.CustomOp):
             # when the main thread has queued further steps (and overwrite
             # their updates). The read-modify-write goes to this device's
             # Parameter arrays as MXNet operators instead, in engine order.
-            for param, batch in zip(self.group.running_params(self.device), (mean, var)):
+            for param, batch in zip(self.backend.running_arrays(self.device), (mean, var)):
                 running = param.as_nd_ndarray()  # a view: NumPy-mode arrays too
                 share = mx.nd.array(batch * (1.0 - mom), ctx=running.context,
                                     dtype=running.dtype)
@@ -152,7 +176,7 @@ class SyncBatchNormOp(mx.operator.CustomOp):
         token, call, n, mean, var = wire.unpack_info(_read(out_data[2]))
         channels = mean.size
         if call < 0:
-            raise SyncBatchNormError(messages.text('inference_backward', layer=self.group.name))
+            raise SyncBatchNormError(messages.text('inference_backward', layer=self.backend.layer_name))
         m1 = _read(in_data[0])
         count = _count(in_data[3], channels)
         gamma = np.ones_like(m1) if self.fix_gamma else _read(in_data[4])
@@ -164,8 +188,9 @@ class SyncBatchNormOp(mx.operator.CustomOp):
         contribution, d_gamma, d_beta = stats.backward_contribution(
             d_scale, d_shift, mean, m1, inv_std)
         key = ('bwd', token, call)
-        total = self.group.barrier.exchange(key, self.device, (contribution, self.input_dtype),
-                                            self.group.reduce, token=self.token)[self.subgroup]
+        total = self.backend.barrier.exchange(key, self.device, (contribution, self.input_dtype),
+                                              self.backend.reduce,
+                                              token=self.token)[self.sync_group]
         d_m2, d_v = stats.local_moment_grads(total, count, n, mean, m1, gamma, inv_std)
         _write(in_grad[0], req[0], 0, self.in_place)  # m1 is a constant (BlockGrad in the block)
         _write(in_grad[1], req[1], _rows_grad(d_m2, in_data[1], count, self.row_sums),
@@ -189,7 +214,7 @@ class SyncBatchNormProp(mx.operator.CustomOpProp):
     def __init__(self, group, eps, momentum, fix_gamma, static_shape='False',
                  input_dtype='float32', row_sums='False'):
         super(SyncBatchNormProp, self).__init__(need_top_grad=True)
-        self.group_id = group
+        self.handle = group
         self.eps = float(eps)
         self.momentum = float(momentum)
         self.fix_gamma = fix_gamma in ('True', 'true', '1')
@@ -207,18 +232,19 @@ class SyncBatchNormProp(mx.operator.CustomOpProp):
         return ['running_mean', 'running_var']
 
     def infer_shape(self, in_shape):
-        group = get_group(self.group_id)
+        backend = _backend(self.handle)
         stat_shape = tuple(in_shape[0])
         ndim = tuple(in_shape[3])[0] if len(in_shape) > 3 and len(in_shape[3]) else 0
         if ndim > 0 and not 2 <= ndim <= 5:
-            self._fail_shape(messages.text('bad_ndim', layer=group.name, ndim=ndim))
+            self._fail_shape(messages.text('bad_ndim', layer=backend.layer_name, ndim=ndim))
         channels = int(np.prod(stat_shape))
         for i in (4, 5, 6, 7):  # gamma, beta, running_mean, running_var
             given = tuple(in_shape[i]) if i < len(in_shape) else ()
             known = given and all(d > 0 for d in given)
             if known and int(np.prod(given)) != channels:
-                self._fail_shape(messages.text('wrong_channels', layer=group.name,
-                                               channels=channels, axis=group.axis,
+                self._fail_shape(messages.text('wrong_channels', layer=backend.layer_name,
+                                               channels=channels,
+                                               axis=backend.kwargs['axis'],
                                                expected=int(np.prod(given))))
         vec = (channels,)
         # residual and sqdev: one row of C sums or means per sample, or one row.
@@ -237,21 +263,19 @@ class SyncBatchNormProp(mx.operator.CustomOpProp):
     def infer_type(self, in_type):
         dtype = in_type[0]
         if dtype is not None and np.dtype(dtype) == np.float16:
-            group = get_group(self.group_id)
-            self._fail_shape(messages.text('float16_statistics', layer=group.name))
+            self._fail_shape(messages.text('float16_statistics',
+                                           layer=_backend(self.handle).layer_name))
         param = in_type[4] if in_type[4] is not None else np.float32
         return ([dtype] * 3 + [np.int64, param, param],
                 [dtype, dtype, np.float64],
                 [param, param])
 
     def create_operator(self, ctx, in_shapes, in_dtypes):
-        group = get_group(self.group_id)
-        device = group.device_index(ctx)
-        # Runs on the main thread, in network order, on every worker alike.
-        group.attach(int(np.prod(in_shapes[0])))
+        backend = _backend(self.handle)
+        device = backend.device_index(ctx)
         # The graph's own dtype (float32 for float16 input widened by the
         # block) and the input's dtype as the block saw it must both agree.
         stats_dtype = np.dtype(_DTYPE_MX_TO_NP[in_dtypes[0]]).name  # MXNet type code
         dtype = '%s (statistics in %s)' % (self.input_dtype, stats_dtype)
-        return SyncBatchNormOp(group, device, self.eps, self.momentum,
+        return SyncBatchNormOp(backend, device, self.eps, self.momentum,
                                self.fix_gamma, self.static_shape, dtype, self.row_sums)

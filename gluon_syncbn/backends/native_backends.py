@@ -1,0 +1,142 @@
+"""The native backends: the asynchronous operator (CPU contexts) and the
+exchange operator (GPUs), both in the native session (``native/``).
+
+A layer's group there is an integer handle, created with the backend and
+removed with it; the operators take it as their ``group`` argument.
+"""
+import weakref
+
+from mxnet.gluon.parameter import DeferredInitializationError
+
+from ..hooks import request_retrace
+from ..mxnet_private import dtype_name
+from .base import Backend
+from .vector_graph import LOW_PRECISION, VectorBackend
+
+__all__ = ['AsyncBackend', 'ExchangeBackend']
+
+
+def native_group(backend, lib):
+    """The handle of ``backend``'s group in the native session, created now
+    and removed when the backend goes. Across processes its sums leave
+    through the transport's native twin, where a sync group spans workers."""
+    transport, owners = backend.transport, ()
+    twin = 0
+    if transport.cross_process:
+        local, workers, rank = len(backend.devices), transport.num_workers, transport.rank
+        # (A cross-process store of one worker, which only tests make, is
+        # used too: it runs the real reduction chain in one process.)
+        if workers == 1 or any(len({d // local for d in members}) > 1
+                               for members in backend.sync_groups):
+            twin = transport.make_native(lib)
+            if backend.explicit_sync_groups:
+                # Each reduction also checks that the workers agree on the
+                # global numbering: every device owned once.
+                owners = [1.0 if rank * local <= d < (rank + 1) * local else 0.0
+                          for d in range(local * workers)]
+    handle = lib.create_group(backend.layer_name, backend.devices, backend.timeout,
+                              backend.hint, backend.sync_group_of, len(backend.sync_groups),
+                              twin, owners)
+    # Not at interpreter exit: the exit hook still needs the group then.
+    weakref.finalize(backend, lib.remove_group, handle).atexit = False
+    return handle
+
+
+def _arguments(backend, handle):
+    kwargs = backend.kwargs
+    return dict(group=handle, eps=kwargs['eps'], momentum=kwargs['momentum'],
+                fix_gamma=kwargs['fix_gamma'], axis=kwargs['axis'], name='sync')
+
+
+class AsyncBackend(Backend):
+    """The asynchronous operator (``native/async_op.h``): the whole call in
+    one operator of MXNet's own kind, without a custom operator's threads.
+    It reads and writes every float dtype as it is, so no Cast surrounds it."""
+
+    name = 'async'
+    host_memory = True
+
+    def __init__(self, layer, devices, transport, lib, functions):
+        super(AsyncBackend, self).__init__(layer, devices, transport)
+        self._functions = functions
+        self._arguments = _arguments(self, native_group(self, lib))
+
+    def forward(self, F, x, gamma, beta, running_mean, running_var, dtype, static_shape,
+                imperative):
+        return self._functions[F](x, gamma, beta, running_mean, running_var,
+                                  static_shape=static_shape, input_dtype=dtype,
+                                  **self._arguments)
+
+
+class ExchangeBackend(VectorBackend):
+    """The exchange operator (``native/exchange_op.h``) on the per-channel
+    moments MXNet's operators compute on the device."""
+
+    name = 'exchange'
+    cache_imperative = True
+
+    def __init__(self, layer, devices, transport, lib, functions):
+        super(ExchangeBackend, self).__init__(layer, devices, transport)
+        self._functions = functions
+        self._lib = lib
+        self._handle = native_group(self, lib)
+        self._arguments = _arguments(self, self._handle)
+        self._running = []
+
+    def _param_dtype(self):
+        return dtype_name(self._layer().gamma.dtype)
+
+    def _set_running_arrays(self):
+        """Hand the operator each device's running mean and variance arrays,
+        for static_shape graphs, whose auxiliary states are read-only: it
+        updates the Parameter's own arrays in engine order
+        (``exchange_op.h``, queue_running_update)."""
+        arrays = [self.running_arrays(d) for d in range(len(self.devices))]
+        if [a.handle.value for p in arrays for a in p] != [
+                a.handle.value for p in self._running for a in p]:
+            self._running = arrays  # keeps the handles valid
+            for device, (mean, var) in enumerate(arrays):
+                self._lib.set_running(self._handle, device, mean, var)
+
+    def _graph(self, F, x, xs, gamma, beta, running_mean, running_var, dtype, static_shape,
+               imperative):
+        """12 operators (13 with reshape_like), each a kernel on a GPU.
+
+        The centre m1 is the mean MXNet computes, a constant to autograd (the
+        output does not depend on it), blocked at its input: blocked at its
+        output, the mean's backward would still run. m2 corrects m1's float32
+        rounding, which at |mean| >> std is large against the std.
+        """
+        if not imperative and static_shape:
+            try:
+                self._set_running_arrays()
+            except DeferredInitializationError:
+                request_retrace()  # shapes are known after the first call
+        axis = self.kwargs['axis']
+        m1 = F.mean(F.BlockGrad(xs), axis=axis, exclude=True, keepdims=True)
+        xc = F.broadcast_sub(xs, m1)
+        m2 = F.mean(xc, axis=axis, exclude=True)
+        v = F.mean(F.square(xc), axis=axis, exclude=True)
+        scale, shift = self._exchange(F, F.reshape(m1, shape=(-1,)), m2, v, xc, gamma, beta,
+                                      running_mean, running_var, dtype, static_shape)
+        out = F.broadcast_add(F.broadcast_mul(xc, scale), shift)
+        return out if dtype in LOW_PRECISION else F.reshape_like(out, xs)
+
+    def _exchange(self, F, m1, m2, v, data, gamma, beta, running_mean, running_var, dtype,
+                  static_shape):
+        """The exchange operator on this device's (C,) moments: the (scale,
+        shift) that normalize ``x - m1``, each shaped to broadcast against
+        ``data``, whose shape gives the sample count."""
+        stat = 'float64' if dtype == 'float64' else 'float32'
+        g, b = ((gamma, beta) if self._param_dtype() == stat else
+                (F.Cast(gamma, dtype=stat), F.Cast(beta, dtype=stat)))
+        out = self._functions[F](F.concat(m1, m2, v, g, b, dim=0), data, gamma, beta,
+                                 running_mean, running_var, static_shape=static_shape,
+                                 input_dtype=dtype, **self._arguments)
+        return F.split(out, num_outputs=2, axis=0, squeeze_axis=True)
+
+    def _empty_scale(self, F, zeros, x, gamma, beta, running_mean, running_var, dtype):
+        flat = zeros.reshape(-1)
+        scale, _ = self._exchange(F, flat, flat, flat, x, gamma, beta, running_mean,
+                                  running_var, dtype, False)
+        return scale

@@ -1,0 +1,118 @@
+"""The graph around the vector operators: the exchange operator (GPUs) and
+the Python operator (the fallback in one process).
+
+MXNet's own operators compute each device's per-channel moments of the input
+(on the device, on GPUs), the operator synchronizes those vectors into the
+(scale, shift) that normalize, and MXNet's operators apply them. The
+asynchronous operator (CPU contexts) needs none of this: it takes the whole
+call.
+"""
+from ..mxnet_private import amp_initialized, dtype_name, operator_dtype
+from ..session import SETUP_LOCK
+from .base import Backend
+
+__all__ = ['LOW_PRECISION', 'VectorBackend']
+
+# Input dtypes whose statistics are computed in (at least) float32.
+LOW_PRECISION = ('float16', 'bfloat16')
+
+
+class VectorBackend(Backend):
+    """A backend whose operator sees per-channel vectors; subclasses supply
+    the graph between the input and the output (:meth:`_graph`) and what an
+    empty slice sends (:meth:`_empty_scale`)."""
+
+    # Run imperative calls as one CachedOp per input dtype (see _cached_op).
+    cache_imperative = False
+
+    def __init__(self, layer, devices, transport):
+        super(VectorBackend, self).__init__(layer, devices, transport)
+        self._imperative_graphs = {}
+
+    def forward(self, F, x, gamma, beta, running_mean, running_var, dtype, static_shape,
+                imperative):
+        if imperative and x.size == 0:
+            return self._empty_slice(F, x, gamma, beta, running_mean, running_var, dtype)
+        if imperative and self.cache_imperative:
+            op, order = self._cached_op(dtype, dtype_name(gamma.dtype))
+            arrays = (x, gamma, beta, running_mean, running_var)
+            return op(*[arrays[i] for i in order])
+        return self._whole_graph(F, x, gamma, beta, running_mean, running_var, dtype,
+                                 static_shape, imperative)
+
+    def _cached_op(self, dtype, param_dtype):
+        """The graph of an imperative call as one CachedOp, traced once per
+        input dtype: one call into MXNet instead of one per operator, and
+        static memory instead of a new array per operator output, each of
+        whose engine variables costs an engine operation to delete. MXNet
+        gives each call that autograd still holds for backward its own
+        memory. Not static_shape: that would also pin each operator's
+        temp-space slot, and CPU contexts share one pool of them, so an
+        imperative operator of one device would in time take a slot pinned by
+        another device's later layer and wait for it (a deadlock).
+
+        After an aborted step its static arrays carry no error: see
+        ``Session.clear_failed_arrays``.
+
+        Returns ``(op, order)``: ``op`` takes (x, gamma, beta, running_mean,
+        running_var) permuted by ``order``, the order of its inputs.
+        """
+        key = (dtype, param_dtype, amp_initialized())
+        cached = self._imperative_graphs.get(key)
+        if cached is None:
+            with SETUP_LOCK:  # traced once, whichever device's thread comes first
+                cached = self._imperative_graphs.get(key)
+                if cached is None:
+                    cached = self._imperative_graphs[key] = self._trace(dtype)
+        return cached
+
+    def _trace(self, dtype):
+        from mxnet import ndarray, symbol
+        names = ('data', 'gamma', 'beta', 'running_mean', 'running_var')
+        # Traced as imperative: the input's dtype is known.
+        out = self._whole_graph(symbol, *[symbol.var(n) for n in names], dtype=dtype,
+                                static_shape=False, imperative=True)
+        order = [names.index(n) for n in out.list_inputs()]
+        return ndarray.CachedOp(out, flags=[('static_alloc', True)]), order
+
+    def _whole_graph(self, F, x, gamma, beta, running_mean, running_var, dtype, static_shape,
+                     imperative):
+        """The operators of a call; ``imperative``: ``x`` has dtype ``dtype``
+        (an NDArray, or traced for an imperative call's CachedOp)."""
+        half = dtype in LOW_PRECISION
+        # Statistics in at least float32: float16 input is widened, then narrowed back.
+        xs = F.Cast(x, dtype='float32') if half else x
+        if (not imperative and dtype == 'float32' and not self.host_memory
+                and amp_initialized()):
+            # Under AMP (amp.init()) a traced graph is fed float16 it cannot
+            # see: amp_cast widens float16/bfloat16 and leaves float32 alone.
+            # (Not for float64 networks: on CPU it is MKL-DNN's and refuses it.)
+            xs = F.amp_cast(x, dtype='float32')
+        out = self._graph(F, x, xs, gamma, beta, running_mean, running_var, dtype,
+                          static_shape, imperative)
+        return F.Cast(out, dtype=operator_dtype(dtype)) if half else out
+
+    def _graph(self, F, x, xs, gamma, beta, running_mean, running_var, dtype, static_shape,
+               imperative):
+        """The output for ``xs`` (``x`` widened), shaped like ``x``. The head
+        gradient enters through its last operator: a Cast (for float16 and
+        bfloat16 input) or a reshape_like, whose backward converts it to the
+        output's dtype, where MXNet's broadcast operators would refuse any
+        other (AMP makes float16 heads for float32 outputs)."""
+        raise NotImplementedError
+
+    def _empty_slice(self, F, x, gamma, beta, running_mean, running_var, dtype):
+        """A slice with no samples: MXNet's reductions give NaN and its reshapes
+        divide by zero on it, so the operator gets zero moments (the count,
+        from the shape, is 0) and still joins both exchanges; the empty output
+        depends on scale so that its backward runs too."""
+        axis = self.kwargs['axis'] % x.ndim
+        stat_shape = tuple(x.shape[axis] if i == axis else 1 for i in range(x.ndim))
+        zeros = F.zeros(stat_shape, ctx=x.context,
+                        dtype='float32' if dtype in LOW_PRECISION else dtype)
+        scale = self._empty_scale(F, zeros, x, gamma, beta, running_mean, running_var, dtype)
+        # Not broadcast_add: its backward over a size-0 array segfaults in 1.9.1.
+        return F.broadcast_mul(x, F.Cast(scale, dtype=operator_dtype(dtype)))
+
+    def _empty_scale(self, F, zeros, x, gamma, beta, running_mean, running_var, dtype):
+        raise NotImplementedError

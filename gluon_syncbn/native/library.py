@@ -1,0 +1,125 @@
+"""The seam between Python and the native library: every ctypes entry point
+of ``syncbn.cc``, declared and called here and nowhere else.
+
+A layer's native group is an integer handle (the operators' ``group``
+argument); a transport is an integer id; failures come back as
+``(kind, message)`` records.
+"""
+import ctypes
+
+__all__ = ['Library']
+
+_TEXT = 1 << 16  # room for one message
+
+
+class Library(object):
+    """The loaded native library.
+
+    Parameters
+    ----------
+    path : str
+        The built library.
+    testing : bool
+        It was built with the tests' entry points (``GSBN_TESTING``).
+    """
+
+    def __init__(self, path, testing=False):
+        self.path = path
+        self.testing = testing
+        self._lib = lib = ctypes.CDLL(path)
+        c = ctypes
+        for name, argtypes, restype in [
+                ('gsbn_init', [c.c_char_p], None),
+                ('gsbn_register', [c.c_char_p], c.c_int),
+                ('gsbn_group_create', [c.c_char_p, c.c_char_p, c.c_int, c.c_double, c.c_char_p,
+                                       c.POINTER(c.c_int), c.c_int, c.c_int,
+                                       c.POINTER(c.c_double), c.c_int], c.c_int64),
+                ('gsbn_group_set_running', [c.c_int64, c.c_int, c.c_void_p, c.c_void_p], None),
+                ('gsbn_group_remove', [c.c_int64], None),
+                ('gsbn_step', [c.c_int], c.c_uint64),
+                ('gsbn_abort', [c.c_char_p, c.c_int], None),
+                ('gsbn_error', [c.c_int, c.c_char_p, c.c_int, c.c_char_p, c.c_int], c.c_int),
+                ('gsbn_fail_python_call', [c.c_void_p, c.c_void_p, c.c_char_p], c.c_int),
+                ('gsbn_transport_create', [c.c_char_p, c.c_void_p, c.c_int, c.c_int, c.c_int,
+                                           c.c_char_p, c.c_double], c.c_int),
+                ('gsbn_transport_close', [c.c_int, c.c_char_p], None),
+                ('gsbn_store_lock', [c.c_int, c.c_int], None)] + ([
+                ('gsbn_test_count', [c.c_char_p, c.c_int], c.c_int64)] if testing else []):
+            function = getattr(lib, name)
+            function.argtypes, function.restype = argtypes, restype
+
+    def init(self, templates):
+        """Hand over the message templates (``{name: text}``) and make room in
+        MXNet's list of engine errors (``failures.h``); once, at load."""
+        blob = b''.join(name.encode() + b'\0' + text.encode('utf-8') + b'\0'
+                        for name, text in templates.items())
+        self._lib.gsbn_init(blob + b'\0')
+
+    def register(self, op):
+        """Register operator ``'async'`` or ``'exchange'`` in MXNet; True on success."""
+        return self._lib.gsbn_register(op.encode()) == 0
+
+    def create_group(self, name, devices, timeout, hint, sync_group_of, num_sync_groups,
+                     transport=0, owners=()):
+        """A layer's group on ``devices``; returns its handle."""
+        c = ctypes
+        return self._lib.gsbn_group_create(
+            name.encode(), b'\0'.join(d.encode() for d in devices), len(devices),
+            float(timeout), hint.encode(), (c.c_int * len(devices))(*sync_group_of),
+            num_sync_groups, transport or 0, (c.c_double * len(owners))(*owners), len(owners))
+
+    def set_running(self, group, device, mean, var):
+        self._lib.gsbn_group_set_running(group, device, mean.handle, var.handle)
+
+    def remove_group(self, group):
+        self._lib.gsbn_group_remove(group)
+
+    def token(self, begin=False):
+        """The current step's token; ``begin``: a step begins first."""
+        return self._lib.gsbn_step(int(begin))
+
+    def abort(self, cause, exiting):
+        self._lib.gsbn_abort(str(cause).encode('utf-8', 'replace'), int(exiting))
+
+    def _error(self, which):
+        kind, text = ctypes.create_string_buffer(64), ctypes.create_string_buffer(_TEXT)
+        if not self._lib.gsbn_error(which, kind, len(kind), text, len(text)):
+            return None
+        return kind.value.decode(), text.value.decode('utf-8', 'replace')
+
+    def take_errors(self):
+        """``[(kind, message)]``: the failures recorded since the last call, oldest first."""
+        records = []
+        record = self._error(0)
+        while record is not None:
+            records.append(record)
+            record = self._error(0)
+        return records
+
+    def cause(self):
+        """The cause of the last abort."""
+        return self._error(1)[1]
+
+    def broken(self):
+        """Why cross-process synchronization broke, or ''."""
+        return self._error(2)[1]
+
+    def fail_python_call(self, hold, probe, message):
+        return self._lib.gsbn_fail_python_call(hold, probe, message.encode('utf-8', 'replace'))
+
+    def create_transport(self, kind, target=None, sum_op=0, rank=0, workers=1, name='',
+                         exit_grace=30.0):
+        """A cross-process transport; returns its id (0: unknown ``kind``)."""
+        return self._lib.gsbn_transport_create(kind.encode(), target, sum_op, rank, workers,
+                                               name.encode(), exit_grace)
+
+    def close_transport(self, transport, why):
+        self._lib.gsbn_transport_close(transport, why.encode())
+
+    def store_lock(self, transport, acquire):
+        self._lib.gsbn_store_lock(transport, int(acquire))
+
+    def test_count(self, what, transport=0):
+        """Tests' counters (a ``GSBN_TESTING`` build): ``'staging'``,
+        ``'exchanges'`` or ``'queued'``."""
+        return self._lib.gsbn_test_count(what.encode(), transport)

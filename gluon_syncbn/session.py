@@ -1,0 +1,217 @@
+"""The session: which training step calls belong to, and how a step fails,
+across every layer of the process.
+
+Calls carry a token, the step they were issued in; every failure (a device
+raised, a device never came, ``reset()``) aborts the step. Once the native
+library is loaded, the token lives in its session (``native/session.h``), so
+every backend shares one step.
+"""
+import threading
+import weakref
+
+from . import messages
+from . import native
+from .errors import (SyncBatchNormError, SyncBatchNormTimeout, add_failure_source,
+                     record_failure)
+
+__all__ = ['SESSION', 'SETUP_LOCK', 'reset']
+
+# One-time work of a layer's first calls, which may come from one Python
+# thread per device at once (GluonCV's parallel_apply): loading the native
+# library, making a layer's backend, tracing its imperative graphs. Whoever
+# comes first does it; the others wait, then find it done. Reentrant: making
+# a backend loads the library.
+SETUP_LOCK = threading.RLock()
+
+
+class Session(object):
+    """Which training step calls belong to, across all layers of the process.
+
+    Operators take a token when MXNet creates them (when they are issued, in
+    imperative and dynamic-graph mode). A failure that leaves calls without
+    partners (a device raised, a device never came, ``reset()``) starts a new
+    token: calls issued before it fail at once with the cause instead of
+    waiting, or pairing with the next step's calls. Calls issued after the
+    failure but before the next step begins (the outermost ``record()`` or
+    ``train_mode()`` scope is entered: see hooks) still get the old token:
+    they are the rest of the failed step.
+
+    Every source of a failure in Python (bad input, an exception leaving
+    ``record()``, a shape the Python operator refuses, interpreter exit,
+    ``reset()``) enters here through :meth:`fail_step`; a barrier, which must
+    mark the step aborted before its own waiters wake, calls its two halves,
+    :meth:`abort` and :meth:`fail_others`. The native library's own failures
+    abort the same step there (``session.h``, ``abort_locked``): once it is
+    loaded the token lives in it.
+    """
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._token = 0
+        self._cause = None
+        self._backends = weakref.WeakSet()  # every layer's, while it lives
+        self.native = None
+        self._cleared_token = 0
+        self._clear_lock = threading.Lock()
+        self._issue_token = 0
+        self._dtypes_lock = threading.Lock()
+
+    def load_native(self):
+        """The native library, built, self-tested and loaded at the first
+        layer's first call (not at import), or None where it cannot be had.
+
+        From then on the step token lives there, so both operators share one
+        step: a native timeout fails the Python calls of the step and the
+        other way round. No call has been issued before the first layer's, so
+        the token starts afresh.
+        """
+        if self.native is None:
+            with SETUP_LOCK:
+                lib = native.load() if self.native is None else None
+                if lib is not None:
+                    add_failure_source(lambda: [
+                        (SyncBatchNormTimeout if kind == 'SyncBatchNormTimeout'
+                         else SyncBatchNormError)(m) for kind, m in lib.take_errors()])
+                    self._issue_token = lib.token(begin=True)
+                    self.native = lib  # last: the token lives there from now on
+        return self.native
+
+    def add(self, backend):
+        """Fail and clean up ``backend``'s calls with every other layer's."""
+        self._backends.add(backend)
+
+    def _live_backends(self):
+        while True:
+            try:
+                return list(self._backends)
+            except RuntimeError:  # a layer was collected meanwhile
+                continue
+
+    def token(self):
+        """The current step's token."""
+        return self.native.token() if self.native is not None else self._token
+
+    def issue_token(self):
+        """The token of a call issued now: the step that began last."""
+        return self._issue_token
+
+    def check_dtypes(self, owner, name, num_devices, device, dtype):
+        """Raise if the call of ``owner`` (a layer, or a hybridized block
+        holding layers, named ``name``) issued now on ``device`` has another
+        dtype than the same call on the other devices: the k-th call of each
+        of the ``num_devices`` devices since the step token last changed, as
+        the operators pair them. Checked when a call is issued: found later,
+        inside the operators, the failure would have to travel through
+        MXNet's error path once per device at the same moment.
+
+        The record lives on ``owner`` (nothing outlives it) and keeps only
+        calls some device has not made yet, at most :data:`OPEN_CALLS` of
+        them (a device with an empty slice runs a hybridized network's layers
+        imperatively: the others never make those calls).
+        """
+        with self._dtypes_lock:
+            record = owner.__dict__.get('_gluon_syncbn_dtypes')
+            if record is None or record[0] != self._issue_token:
+                record = owner._gluon_syncbn_dtypes = (self._issue_token, {}, {})
+            _, made, open_calls = record  # {device: calls made}, {call: {device: dtype}}
+            call = made.get(device, 0)
+            made[device] = call + 1
+            seen = open_calls.setdefault(call, {})
+            seen[device] = dtype
+            if len(seen) == num_devices:
+                del open_calls[call]
+            elif len(open_calls) > OPEN_CALLS:
+                del open_calls[next(iter(open_calls))]  # the oldest
+            if len(set(seen.values())) <= 1:
+                return
+        exc = SyncBatchNormError(messages.text(
+            'dtypes_disagree', layers=name,
+            dtypes=', '.join('%s: %s' % (d, t) for d, t in sorted(seen.items()))))
+        self.fail_step(exc)
+        raise exc
+
+    def begin_step(self):
+        """A training step begins: calls issued from now on belong to it.
+        Called by every thread that enters ``record()``, so once or once per
+        device per step."""
+        self._issue_token = (self.native.token(begin=True) if self.native is not None
+                             else self._token)
+
+    def cause(self):
+        return self.native.cause() if self.native is not None else self._cause
+
+    def active(self):
+        """True while any SyncBatchNorm layer that has synchronized lives."""
+        return len(self._backends) > 0
+
+    def check(self, token, layer):
+        """Raise if a call of ``layer`` issued with ``token`` belongs to a failed step."""
+        if token != self.token():
+            exc = SyncBatchNormError(messages.text('stale_call', layer=layer,
+                                                   cause=self.cause()))
+            record_failure(exc)
+            raise exc
+
+    def abort(self, cause, exiting=False):
+        """Start a new token; calls issued before now belong to an aborted step."""
+        with self._lock:
+            if self.native is None:
+                self._token += 1
+                self._cause = cause
+            else:  # the token lives there (see load_native)
+                self.native.abort(cause, exiting)
+
+    def fail_others(self, cause):
+        """Wake every waiting call of every layer with ``cause``."""
+        for backend in self._live_backends():
+            backend.fail_pending(cause)
+
+    def clear_failed_arrays(self):
+        """After an aborted step, clear the errors MXNet left on the layers' arrays.
+
+        A failed call leaves its exception on the arrays it writes (running
+        statistics, gamma/beta gradients), and every later operator touching
+        them would be skipped with the same error. Waiting on an array clears
+        its error, and with it that of every array the same failed operator
+        poisoned: MXNet shares one error object among them
+        (``threaded_engine.cc``, ``OnComplete``, ``ThrowException``), so the
+        static arrays of cached graphs are clean too. Called on the main thread
+        before a network's calls are issued (by the block, and for cached
+        graphs by hooks); the aborted calls finish at once, so the wait is short.
+        """
+        token = self.token()
+        if token == self._cleared_token:
+            return
+        # Threads calling for each device at once: one clears, and the others
+        # wait until it is done. Were they to go on, the clearing thread could
+        # wait on a running statistic written by their calls, which wait for
+        # its device's call.
+        with self._clear_lock:
+            if token == self._cleared_token:
+                return
+            for backend in self._live_backends():
+                backend.clear_failed_state()
+            self._cleared_token = token
+
+    def fail_step(self, cause=None, exiting=False):
+        """The current step failed with ``cause`` (default: ``gluon_syncbn.reset()``
+        was called): abort it, and wake every waiting call of every layer."""
+        if cause is None:
+            cause = SyncBatchNormError('gluon_syncbn.reset() was called while this call waited.')
+        self.abort(cause, exiting)
+        self.fail_others(cause)
+
+
+SESSION = Session()
+# How many calls a dtype record keeps open: far more than one step issues.
+OPEN_CALLS = 4096
+
+
+def reset():
+    """Fail every waiting SyncBatchNorm call now and restart the call numbering.
+
+    Not needed after the errors this library raises (it recovers by itself);
+    for code that abandons a step half-way for its own reasons.
+    """
+    SESSION.fail_step()
+    SESSION.begin_step()
