@@ -38,9 +38,9 @@ def operator_of(block):
     found = set()
 
     def look(b):
-        group = getattr(b, '_group', None)
-        if group is not None and hasattr(group, 'operator'):
-            found.add(group.operator)
+        backend = getattr(b, '_sync_backend', None)
+        if backend is not None:
+            found.add(backend.name)
     block.apply(look)
     return '+'.join(sorted(found)) or None
 

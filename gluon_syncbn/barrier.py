@@ -10,7 +10,7 @@ Backward exchanges use the key of the forward call they belong to, so they pair
 correctly even when devices run their backward passes in different orders.
 
 Calls carry a *token*: the training step they were issued in (see
-:class:`gluon_syncbn.registry.Session`). Numbering restarts from zero with
+:class:`gluon_syncbn.session.Session`). Numbering restarts from zero with
 every new token, and a call whose token is no longer current belongs to an
 aborted step: it raises at once.
 
@@ -75,7 +75,7 @@ class CallOrderBarrier(object):
         Advice appended to the timeout message.
     session : object, optional
         Shared by all barriers of a process (see
-        :class:`gluon_syncbn.registry.Session`): ``token()``, ``check(token)``
+        :class:`gluon_syncbn.session.Session`): ``token()``, ``check(token)``
         (raises for a token that is no longer current), ``abort(error)`` (called
         with this barrier's lock held, before any waiter wakes) and
         ``fail_others(error)`` (called after the lock is released).

@@ -11,6 +11,9 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The native library with the tests' entry points and loopback transport
+# (GSBN_TESTING), here and in every subprocess.
+os.environ['GLUON_SYNCBN_TESTING'] = '1'
 
 
 class ScenarioFailed(AssertionError):
@@ -97,7 +100,7 @@ PATHS = {
     'exchange': {BACKEND_VARIABLE: 'exchange'},
     'python-device': {BACKEND_VARIABLE: 'python', DEVICE_PATH_VARIABLE: '1'},
 }
-# The operator each path runs (the layer's group.operator).
+# The backend each path runs (the layer's _sync_backend.name).
 PATH_OPERATOR = {'async': 'async', 'python': 'python', 'exchange': 'exchange',
                  'python-device': 'python'}
 # The paths the fault, empty-slice, group, NumPy-mode and AMP suites run on.

@@ -212,7 +212,7 @@ def _operators(net):
     found = set()
 
     def look(block):
-        if getattr(block, '_group', None) is not None:
+        if getattr(block, '_sync_backend', None) is not None:
             found.add(block._sync_backend.name)
     net.apply(look)
     return found

@@ -1,8 +1,8 @@
 """Cross-process transports inside one process, for tests.
 
 :class:`LoopbackTransport` plays ``workers`` workers of which the others send
-what ``mode`` says, for the native operators (its native twin,
-``native/transport.h``) and the Python operator alike:
+what ``mode`` says (its native twin, ``native/transport.h``, in the tests'
+build of the library):
 
 ``same``   the others send this worker's payload: the global batch is this
            process's batch ``workers`` times, whose statistics are the local
@@ -17,10 +17,6 @@ kvstore through the real ``MXKVStorePushPull`` chain (``'kvstore'``), so the
 one-process scenarios run through a cross-process transport. A failure there
 is fatal, as in a real job: such processes end after it.
 """
-import threading
-
-import numpy as np
-
 from gluon_syncbn import block, transport
 
 
@@ -32,23 +28,9 @@ class LoopbackTransport(transport._CrossProcessTransport):
         super(LoopbackTransport, self).__init__()
 
     def _make_native(self, lib):
-        return lib.gsbn_transport_loopback(self.num_workers, self.mode.encode(),
-                                           self.exit_grace)
-
-    def _init_slot(self, slot, forward_size, backward_size):
-        pass
-
-    def _start(self, slot, direction, vector):
-        if self.mode == 'never':
-            return threading.Event().wait
-        if self.mode == 'fail':
-            raise RuntimeError('loopback: the reduction failed')
-        total = vector * self.num_workers
-        if self.mode == 'call':
-            total[1] += 1
-        if self.mode == 'scale':
-            total *= 0.45
-        return lambda: np.array(total)
+        # Only in the tests' build of the library (GLUON_SYNCBN_TESTING=1).
+        return lib.create_transport('loopback', workers=self.num_workers, name=self.mode,
+                                    exit_grace=self.exit_grace)
 
 
 def install(kind, **kwargs):

@@ -150,7 +150,7 @@ def _layer_vs_reference(shape, sizes, axis, dtype, hybridize, steps, offset, mom
     # Which backend synchronized (see gluon_syncbn.backends); one device has none.
     errs['operator'] = bn._sync_backend.name if bn._sync_backend is not None else None
     if hybridize:
-        # which normalization the cached graph uses now (see graph.channel_affine)
+        # which normalization the cached graph uses now (see backends.python_backend.channel_affine)
         errs['graph_uses_convolution'] = float('Convolution' in bn._cached_graph[1].tojson())
     return errs
 
@@ -1080,8 +1080,8 @@ def store_shared_with_trainer(steps=4, sizes=(3, 5), hybridize=False, seed=0):
         errs.note('running_mean', net.bn.running_mean.data(c).asnumpy(), run_mean)
         errs.note('running_var', net.bn.running_var.data(c).asnumpy(), run_var)
     errs['operator'] = net.bn._sync_backend.name
-    errs['queued'] = transport.native and gluon_syncbn.registry.SESSION._native.gsbn_store_queued(
-        transport.native)
+    errs['queued'] = transport.native and gluon_syncbn.session.SESSION.native.test_count(
+        'queued', transport.native)
     return errs
 
 

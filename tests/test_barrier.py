@@ -6,7 +6,7 @@ import pytest
 
 from gluon_syncbn.barrier import CallOrderBarrier
 from gluon_syncbn.errors import SyncBatchNormError, SyncBatchNormTimeout
-from gluon_syncbn.registry import OPEN_CALLS, Session
+from gluon_syncbn.session import OPEN_CALLS, Session
 
 
 def summing_barrier(n, timeout=5.0, session=None):

@@ -247,9 +247,9 @@ for step in range(400):
     if step in (199, 399):  # after the pools' warm-up
         rss.append(psutil.Process().memory_info().rss)
 print('GROWTH_MB', (rss[1] - rss[0]) / 2**20)
-group = net[0]._sync_group()
-print('OPERATOR', group.operator,
-      group.operator == 'exchange' and gluon_syncbn.native.exchange_operator() is not None)
+backend = net[0]._sync_backend
+print('OPERATOR', backend.name,
+      backend.name == 'exchange' and gluon_syncbn.native.exchange_operator() is not None)
 '''
 
 
@@ -274,7 +274,7 @@ import gluon_syncbn
 gluon_syncbn.configure_cpu_contexts(2)
 import mxnet as mx
 from mxnet import autograd
-from gluon_syncbn.registry import SESSION
+from gluon_syncbn.session import SESSION
 ctx = [mx.cpu(0), mx.cpu(1)]
 
 def train_once():
@@ -285,12 +285,12 @@ def train_once():
         ys = [net(mx.nd.random.uniform(shape=(2, 3, 4), ctx=c)) for c in ctx]
     autograd.backward(ys)
     mx.nd.waitall()
-    print('ALIVE', net[0]._sync_backend.name, SESSION._native.gsbn_staging_layers())
+    print('ALIVE', net[0]._sync_backend.name, SESSION.native.test_count('staging'))
 
 for _ in range(3):
     train_once()
     gc.collect()
-    print('GONE', SESSION._native.gsbn_staging_layers())
+    print('GONE', SESSION.native.test_count('staging'))
 '''
 
 
@@ -441,7 +441,7 @@ from gluon_syncbn import native
 ctxs = [mx.cpu(0), mx.cpu(1)]
 bn = gluon_syncbn.SyncBatchNorm(in_channels=3, timeout=60)
 bn.initialize(ctx=ctxs)
-group = bn._sync_group()
+group = bn._backend_for(bn.gamma.list_ctx())
 op = native.exchange_operator()[mx.nd]
 packs, outs = [], []
 with autograd.record():
@@ -454,7 +454,7 @@ with autograd.record():
         packs.append(packed)
         outs.append(op(packed, mx.nd.ones((2, 3, 2, 2), ctx=c), bn.gamma.data(c),
                        bn.beta.data(c), bn.running_mean.data(c), bn.running_var.data(c),
-                       group=group.group_id, eps=1e-5, momentum=0.9, fix_gamma=False,
+                       group=group.handle, eps=1e-5, momentum=0.9, fix_gamma=False,
                        static_shape=False, axis=1, input_dtype='float32'))
 start = time.time()
 autograd.backward(outs)
@@ -485,7 +485,7 @@ import gluon_syncbn
 gluon_syncbn.configure_cpu_contexts(2)
 import mxnet as mx
 from mxnet import autograd
-from gluon_syncbn.registry import SESSION
+from gluon_syncbn.session import SESSION
 ctxs = [mx.cpu(0), mx.cpu(1)]
 bn = gluon_syncbn.SyncBatchNorm(in_channels=3, timeout=1)
 bn.initialize(ctx=ctxs)
@@ -496,8 +496,9 @@ for step in range(3):
         y.wait_to_read()
     except mx.base.MXNetError as exc:
         print('STEP%d' % step, 'missing: cpu(1)' in str(exc))
-print('PENDING', SESSION._native.gsbn_pending_exchanges() if SESSION._native else '-')
-print('BARRIER', len(bn._sync_group().barrier._exchanges))
+print('PENDING', SESSION.native.test_count('exchanges') if SESSION.native else '-')
+backend = bn._sync_backend
+print('BARRIER', len(backend.barrier._exchanges) if backend.name == 'python' else 0)
 '''
 
 

@@ -1,9 +1,8 @@
 """The cross-process rules through the native transports, in one process.
 
 ``tests/loopback.py`` gives the layer a transport of two workers whose other
-worker sends what a mode says (its native twin for the native operators, its
-Python ``_start`` for the Python operator), or a 'local' kvstore through the
-real ``MXKVStorePushPull`` chain. A failure across processes is fatal, as in
+worker sends what a mode says (its native twin, in the tests' build of the
+library), or a 'local' kvstore through the real ``MXKVStorePushPull`` chain. A failure across processes is fatal, as in
 a real job, so every case runs in its own process, with a deadline. The real
 engines (dist kvstore, Horovod) run in test_multiprocess.py.
 """
@@ -32,7 +31,7 @@ EXACT_CASES = [
 
 
 @pytest.mark.parametrize('transport,path', [
-    ('loopback', 'async'), ('loopback', 'exchange'), ('loopback', 'python'),
+    ('loopback', 'async'), ('loopback', 'exchange'),
     ('kvstore', 'async'), ('kvstore', 'exchange')])
 def test_exact_through_a_cross_process_transport(transport, path):
     env = dict(PATHS[path], SCENARIO_TRANSPORT=transport)
@@ -77,11 +76,9 @@ FATAL_CASES = {
 }
 
 
-# Every case on the asynchronous operator; the GPU path shares its session,
-# and test_transport.py holds the Python transport's rules but for the
-# ownership check, which lives in registry.SyncGroup.reduce.
+# Every case on the asynchronous operator; the GPU path shares its session.
 @pytest.mark.parametrize('case,path', [(case, 'async') for case in sorted(FATAL_CASES)] + [
-    ('out of step', 'exchange'), ('device numbering', 'python')])
+    ('out of step', 'exchange'), ('device numbering', 'exchange')])
 def test_a_failed_reduction_is_an_error_then_ends_the_process(case, path):
     mode, name, kwargs, expected = FATAL_CASES[case]
     env = dict(PATHS[path], SCENARIO_TRANSPORT='loopback:' + mode)
@@ -126,14 +123,10 @@ def test_a_process_that_lingers_after_a_failure_ends_after_the_grace_period():
 
 
 HOROVOD_VERSION_GATE = """
-import warnings
-warnings.simplefilter('always')
 import horovod
 horovod.__version__ = '%s'
-from gluon_syncbn import native, transport
-t = transport.HorovodTransport()
-print('TWIN', t.make_native(native.load()))
-print('WHY', t.why_python)
+from gluon_syncbn import transport
+print('WHY', transport.HorovodTransport().why_not_native())
 """
 
 
@@ -146,9 +139,25 @@ def test_only_a_known_horovod_gets_the_native_transport(version, native):
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-3000:]
     if native:
-        assert re.search(r'TWIN \d+', out) and 'WHY \n' in out, out[-3000:]
+        assert 'WHY \n' in out, out[-3000:]
     else:
-        assert 'TWIN None' in out, out[-3000:]
-        assert 'WHY Horovod 0.27.0: the native transport calls horovod_mxnet_allreduce_async' \
-            in out, out[-3000:]
-        assert out.count('RuntimeWarning: gluon_syncbn: Horovod 0.27.0') == 1, out[-3000:]
+        assert 'WHY Horovod 0.27.0 is installed: the native transport calls ' \
+            'horovod_mxnet_allreduce_async' in out and 'Install Horovod 0.28.1' in out, \
+            out[-3000:]
+
+
+@pytest.mark.parametrize('env,why', [
+    (dict(GLUON_SYNCBN_BACKEND='python'), 'GLUON_SYNCBN_BACKEND=python, but across processes '
+                                          'the native operators are required'),
+    (dict(CXX='/nonexistent/g++', GLUON_SYNCBN_CACHE='EMPTY'),
+     "across processes the native operators are required, but the native library is not "
+     "available: no C++ compiler: '/nonexistent/g++' was not found")])
+def test_across_processes_without_the_native_library_the_first_call_raises(env, why,
+                                                                          tmp_path):
+    env = {k: str(tmp_path) if v == 'EMPTY' else v for k, v in env.items()}
+    proc = _run(['layer_vs_reference', '{"shape": [4, 3, 2], "sizes": [1, 3]}'], 120,
+                dict(env, SCENARIO_TRANSPORT='loopback:same'))
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0, output[-4000:]
+    assert "SyncBatchNorm 'syncbatchnorm0': " + why in output, output[-4000:]
+    assert 'Install a C++ compiler' in output or 'Unset GLUON_SYNCBN_BACKEND' in output

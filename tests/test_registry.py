@@ -1,25 +1,33 @@
-"""The registry of layers' groups: robust to garbage collection at any moment."""
+"""A collected layer takes its backend with it: its Python barrier, its
+native group, and nothing hangs when that happens at an awkward moment."""
 
 from tests.conftest import run_python
 
 
-def test_a_layer_collected_while_the_registry_is_locked_does_not_hang():
-    # A layer's finalizer runs at whatever allocation triggers a garbage
-    # collection, e.g. inside registry.Session.fail_others while a failing
-    # step holds the registry's lock (seen: 1 in about 50 runs of a fault
-    # case hung there, in a process that had built many layers).
-    code = ('import gc, gluon_syncbn, mxnet as mx\n'
+def test_a_collected_layer_leaves_nothing_behind():
+    # A layer's backend goes at whatever allocation triggers a garbage
+    # collection, e.g. inside Session.fail_others while a failing step walks
+    # the backends (seen: 1 in about 50 runs of a fault case hung there when
+    # that walk held a lock the collection wanted).
+    code = ('import gc, weakref, gluon_syncbn, mxnet as mx\n'
             'gluon_syncbn.configure_cpu_contexts(2)\n'
-            'from gluon_syncbn import registry\n'
+            'from mxnet import autograd\n'
+            'from gluon_syncbn.session import SESSION\n'
+            'from gluon_syncbn.backends import python_op\n'
             'def layer():\n'
             '    bn = gluon_syncbn.SyncBatchNorm(in_channels=3)\n'
             '    bn.initialize(ctx=[mx.cpu(0), mx.cpu(1)])\n'
-            '    return bn, bn._sync_group().group_id\n'
+            '    with autograd.record():\n'
+            '        ys = [bn(mx.nd.ones((2, 3), ctx=c)) for c in (mx.cpu(0), mx.cpu(1))]\n'
+            '    mx.nd.waitall()\n'
+            '    return bn, weakref.ref(bn._sync_backend)\n'
             'bn, gone = layer()\n'
-            'with registry._lock:\n'
-            '    del bn\n'
-            '    gc.collect()\n'
+            'del bn\n'
+            'SESSION.fail_others(RuntimeError("x"))\n'
+            'gc.collect()\n'
             'kept = layer()\n'
-            'print("REMOVED", gone not in registry._groups, kept[1] in registry._groups)\n')
-    out = run_python(code, timeout=60)
-    assert 'REMOVED True True' in out.stdout, (out.stdout + out.stderr)[-3000:]
+            'print("REMOVED", gone() is None, kept[1]() is not None, len(python_op._backends))\n')
+    for backend in ('async', 'python'):
+        out = run_python(code, timeout=60, env={'GLUON_SYNCBN_BACKEND': backend})
+        assert 'REMOVED True True %d' % (backend == 'python') in out.stdout, \
+            (out.stdout + out.stderr)[-3000:]

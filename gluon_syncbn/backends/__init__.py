@@ -98,10 +98,10 @@ def choose(devices, transport, requested=None):
     name = requested if requested != 'auto' else ('async' if on_cpu else 'exchange')
     why = _why_not(name, on_cpu, transport)
     if not why:
-        return Choice(name, '%s on %s %s' % (
-            'the native library loaded and this operator passed its self-test'
-            if requested == 'auto' else '%s=%s' % (BACKEND_VARIABLE, requested),
-            'CPU contexts' if on_cpu else 'GPUs', where))
+        return Choice(name, 'the %s operator, native and self-tested, %s' % (
+            'asynchronous' if name == 'async' else 'exchange',
+            'for %s %s' % ('CPU contexts' if on_cpu else 'GPUs', where)
+            if requested == 'auto' else 'as %s=%s asks' % (BACKEND_VARIABLE, requested)))
     if transport.cross_process:
         return Choice(None, 'across processes the native operators are required, but %s. %s.'
                       % (why, NATIVE_FIX))

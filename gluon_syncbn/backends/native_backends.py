@@ -59,7 +59,8 @@ class AsyncBackend(Backend):
     def __init__(self, layer, devices, transport, lib, functions):
         super(AsyncBackend, self).__init__(layer, devices, transport)
         self._functions = functions
-        self._arguments = _arguments(self, native_group(self, lib))
+        self.handle = native_group(self, lib)
+        self._arguments = _arguments(self, self.handle)
 
     def forward(self, F, x, gamma, beta, running_mean, running_var, dtype, static_shape,
                 imperative):
@@ -79,8 +80,8 @@ class ExchangeBackend(VectorBackend):
         super(ExchangeBackend, self).__init__(layer, devices, transport)
         self._functions = functions
         self._lib = lib
-        self._handle = native_group(self, lib)
-        self._arguments = _arguments(self, self._handle)
+        self.handle = native_group(self, lib)
+        self._arguments = _arguments(self, self.handle)
         self._running = []
 
     def _param_dtype(self):
@@ -96,7 +97,7 @@ class ExchangeBackend(VectorBackend):
                 a.handle.value for p in self._running for a in p]:
             self._running = arrays  # keeps the handles valid
             for device, (mean, var) in enumerate(arrays):
-                self._lib.set_running(self._handle, device, mean, var)
+                self._lib.set_running(self.handle, device, mean, var)
 
     def _graph(self, F, x, xs, gamma, beta, running_mean, running_var, dtype, static_shape,
                imperative):

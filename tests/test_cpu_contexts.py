@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from gluon_syncbn import engine
+from gluon_syncbn import cpu_contexts as engine
 from tests.conftest import ROOT, run_python
 
 SLOT_VARIABLES = ('MXNET_CPU_TEMP_COPY', 'MXNET_CPU_PARALLEL_RAND_COPY',

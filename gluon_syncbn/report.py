@@ -1,0 +1,103 @@
+"""``python -m gluon_syncbn``: what this installation can do, and why.
+
+Prints, for a user to read or paste into a bug report: MXNet's build and
+features; each GPU with its compute capability and whether MXNet 1.9.1 runs
+there; the CUDA libraries found; the native library, its build and its
+self-tests' verdicts; which backend a layer on CPU contexts, on GPUs and
+across processes gets here, and why; the engine settings; Horovod and
+kvstore support. ``--selftest`` runs the self-tests now, in subprocesses, on
+two GPUs where there are, else on two CPU contexts.
+"""
+import argparse
+import os
+import subprocess
+import sys
+
+__all__ = ['main', 'report']
+
+ENVIRONMENT = ('GLUON_SYNCBN_BACKEND', 'GLUON_SYNCBN_CACHE', 'GLUON_SYNCBN_TIMEOUT',
+               'GLUON_SYNCBN_CPU_CONTEXTS', 'MXNET_ENGINE_TYPE', 'MXNET_CPU_TEMP_COPY',
+               'MXNET_CPU_PARALLEL_RAND_COPY', 'MXNET_MKLDNN_ENABLED', 'CXX')
+
+
+def _section(lines, title):
+    lines.append('')
+    lines.append(title)
+
+
+def report(selftest=False):
+    """The report's lines. ``selftest``: run both self-tests now."""
+    import mxnet as mx
+    from . import __version__, backends, cuda_libs, gpus, native
+    lines = ['gluon_syncbn %s, Python %s' % (__version__, sys.version.split()[0])]
+    _section(lines, 'MXNet')
+    features = mx.runtime.Features()
+    lines.append('  %s at %s' % (mx.__version__, os.path.dirname(mx.__file__)))
+    lines.append('  features: %s' % ', '.join(
+        name for name in ('CUDA', 'CUDNN', 'NCCL', 'MKLDNN', 'DIST_KVSTORE')
+        if features.is_enabled(name)))
+    _section(lines, 'GPUs')
+    found = gpus.gpu_properties()
+    for i, (name, capability) in enumerate(found):
+        runs = gpus.FIRST <= capability < gpus.LAST
+        lines.append('  gpu(%d): %s, compute capability %d.%d: %s' % (
+            i, name, capability[0], capability[1],
+            'MXNet 1.9.1 runs here' if runs else 'MXNet 1.9.1 has no kernels for it'))
+    if not found:
+        lines.append('  none (no CUDA runtime loaded, or no GPU)')
+    library = cuda_libs.mxnet_library()
+    needed = sorted(set(cuda_libs.RUNTIME) & set(cuda_libs.needed_libraries(library))) \
+        if library else []
+    lines.append('  CUDA libraries: %s' % (', '.join(
+        '%s (%s)' % (s, cuda_libs.wheel_library(s) or 'library path') for s in needed)
+        or 'none needed (CPU build)'))
+    _section(lines, 'Native library')
+    lib = native.load()
+    status = native.status()
+    lines.append('  %s' % (status['path'] if lib is not None
+                           else 'not available: %s' % status['why_not']))
+    if selftest:
+        for part in ('async', 'exchange'):
+            lines.append('  self-test %s now: %s' % (part, _run_selftest(part)))
+    _section(lines, 'Backends (%s=%s)' % (backends.BACKEND_VARIABLE,
+                                         backends.requested_backend()))
+    for question, choice in backends.explain().items():
+        lines.append('  %s: %s (%s)' % (question, choice.backend or 'none', choice.reason))
+    for part, verdict in sorted(native.status()['verdicts'].items()):
+        lines.append('  self-test %s: %s' % (part, verdict))
+    _section(lines, 'Across processes')
+    lines.append('  kvstore: %s' % ('dist_sync and dist_sync_device' if features.is_enabled(
+        'DIST_KVSTORE') else 'not in this MXNet build (no DIST_KVSTORE)'))
+    lines.append('  horovod: %s' % _horovod())
+    _section(lines, 'Settings')
+    for name in ENVIRONMENT:
+        lines.append('  %s=%s' % (name, os.environ.get(name, '')))
+    return lines
+
+
+def _horovod():
+    try:
+        import horovod  # pylint: disable=import-outside-toplevel
+        import horovod.mxnet  # noqa: F401  pylint: disable=import-outside-toplevel
+    except ImportError as exc:
+        return 'not available (%s)' % exc
+    from .transport import HorovodTransport
+    why = HorovodTransport.why_not_native(None)
+    return '%s%s' % (horovod.__version__, ': ' + why if why else ', native transport')
+
+
+def _run_selftest(part):
+    proc = subprocess.run([sys.executable, '-m', 'gluon_syncbn.selftest', part],
+                          capture_output=True, text=True, timeout=300)
+    if proc.returncode == 0 and 'ok' in proc.stdout.split():
+        return 'ok'
+    return 'failed (exit %d): %s' % (proc.returncode, (proc.stderr or proc.stdout)[-500:])
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog='python -m gluon_syncbn', description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument('--selftest', action='store_true',
+                        help='run the native self-tests now')
+    args = parser.parse_args(argv)
+    print('\n'.join(report(selftest=args.selftest)))
