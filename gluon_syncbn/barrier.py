@@ -6,7 +6,7 @@ calls, gathers one contribution per device for each number, reduces them once
 with the function the caller passes (the last device to arrive does the work;
 for a layer, ``SyncGroup.reduce``: a sum, then the transport) and hands the
 same result to all.
-Backward exchanges use the key of the forward call they belong to, so they pair
+Backward meetings use the key of the forward call they belong to, so they pair
 correctly even when devices run their backward passes in different orders.
 
 Calls carry a *token*: the training step they were issued in (see
@@ -18,7 +18,7 @@ Nothing here knows about MXNet: the barrier is tested with plain threads.
 
 Failure rules (every wait is bounded):
 
-* if ``reduce`` raises, every device of the exchange gets that exception;
+* if ``reduce`` raises, every device of the meeting gets that exception;
 * if not all devices arrive within ``timeout`` seconds, the devices that did
   arrive get :class:`SyncBatchNormTimeout` naming the missing ones;
 * any of these aborts the step in the session: every other waiting or
@@ -49,7 +49,7 @@ class LocalSession(object):
         pass
 
 
-class _Exchange(object):
+class _Meeting(object):
     __slots__ = ('token', 'values', 'result', 'error', 'taken')
 
     def __init__(self, token):
@@ -89,7 +89,7 @@ class CallOrderBarrier(object):
         self.hint = hint
         self.session = session or LocalSession()
         self._cond = threading.Condition()
-        self._exchanges = {}
+        self._meetings = {}
         self._counter_token = None
         self._next_call = [0] * self.num_devices
 
@@ -112,27 +112,27 @@ class CallOrderBarrier(object):
             self._next_call[device] = k + 1
             return ('fwd', token, k)
 
-    def exchange(self, key, device, value, reduce, token=None):
+    def meet(self, key, device, value, reduce, token=None):
         """Contribute ``value`` for ``key``; return the reduced result.
 
         ``reduce(key, values)`` gets ``{device_index: value}`` with one entry
         per device and returns the result handed to every device; it runs once
-        per exchange, on the thread of the last device to arrive. ``token`` is
+        per meeting, on the thread of the last device to arrive. ``token`` is
         the step the call was issued in (None: unknown).
 
         Raises
         ------
         SyncBatchNormError
-            The exchange failed: ``reduce`` raised, the call belongs to an
+            The meeting failed: ``reduce`` raised, the call belongs to an
             aborted step, or the timeout passed.
         """
         deadline = time.monotonic() + self.timeout
         failure = None  # set when this thread is the one that fails the step
         with self._cond:
             token = self._current(token)
-            ex = self._exchanges.get(key)
+            ex = self._meetings.get(key)
             if ex is None:
-                ex = self._exchanges[key] = _Exchange(token)
+                ex = self._meetings[key] = _Meeting(token)
             if device in ex.values:
                 raise SyncBatchNormError(
                     "SyncBatchNorm '%s': device %s called %s twice; this is a bug in "
@@ -156,11 +156,11 @@ class CallOrderBarrier(object):
                 self.session.abort(failure)
                 self._fail(failure, lambda e: True)
             ex.taken += 1
-            # A failed exchange of the current step stays until every device
+            # A failed meeting of the current step stays until every device
             # has passed it, so a device that arrives late fails at once
             # instead of waiting (one of an aborted step goes at once: see _fail).
-            if ex.taken == self.num_devices and self._exchanges.get(key) is ex:
-                del self._exchanges[key]
+            if ex.taken == self.num_devices and self._meetings.get(key) is ex:
+                del self._meetings[key]
             error, result = ex.error, ex.result
         if failure is not None:
             self.session.fail_others(failure)
@@ -180,20 +180,20 @@ class CallOrderBarrier(object):
             timeout=messages.number(self.timeout), missing=', '.join(missing), hint=self.hint))
 
     def _fail(self, error, which):
-        """Fail the pending exchanges ``which(ex)`` selects, and forget
+        """Fail the pending meetings ``which(ex)`` selects, and forget
         those of steps that are no longer current: a call of an aborted step
         fails at its token (``session.check``) before it looks for one, and
         a device that never calls would keep them for ever (lock held)."""
         current = self.session.token()
-        for key, ex in list(self._exchanges.items()):
+        for key, ex in list(self._meetings.items()):
             if ex.result is None and ex.error is None and which(ex):
                 ex.error = error
             if ex.token != current and (ex.result is not None or ex.error is not None):
-                del self._exchanges[key]
+                del self._meetings[key]
         self._cond.notify_all()
 
     def fail_pending(self, error):
-        """Fail the waiting exchanges of steps that are no longer current."""
+        """Fail the waiting meetings of steps that are no longer current."""
         with self._cond:
             current = self.session.token()
             self._fail(error, lambda ex: ex.token != current)

@@ -122,6 +122,7 @@ class SyncBatchNorm(HybridBlock):
         # one list until it is initialized again), and its device count.
         self._checked_contexts = None
         self._synchronizes = False
+        self._checked_shape = None  # the input shape the last imperative call checked
         self._input_dtype = 'float32'
         self._static_shape = False
         if in_channels != 0:
@@ -205,27 +206,33 @@ class SyncBatchNorm(HybridBlock):
         return backend
 
     def _check_input(self, x):
+        shape = x.shape
+        if shape == self._checked_shape:
+            return  # what the checks read is the same as at the last call
         try:
-            self._validate_input(x)
+            self._validate_input(x, shape)
         except SyncBatchNormError as exc:
             # Devices issued before this one would wait for it: fail them now.
             SESSION.fail_step(exc)
             raise
+        if all(shape):  # not an empty slice: that check reads the shape mode too
+            self._checked_shape = shape
 
-    def _validate_input(self, x):
-        if x.size == 0 and not is_np_shape():
+    def _validate_input(self, x, shape):
+        ndim = len(shape)
+        if not all(shape) and not is_np_shape():
             raise SyncBatchNormError(
                 "SyncBatchNorm '%s' got an empty slice (shape %s) on %s. MXNet handles size-0 "
                 "arrays only in NumPy shape mode: call mx.util.set_np_shape(True) (or "
                 "npx.set_np()) at the start of the program, and the slice takes part with "
-                "0 samples." % (self.name, x.shape, x.context))
-        if not 2 <= x.ndim <= 5:
-            raise SyncBatchNormError(messages.text('bad_ndim', layer=self.name, ndim=x.ndim))
+                "0 samples." % (self.name, shape, x.context))
+        if not 2 <= ndim <= 5:
+            raise SyncBatchNormError(messages.text('bad_ndim', layer=self.name, ndim=ndim))
         axis = self._kwargs['axis']
-        if not -x.ndim <= axis < x.ndim:
+        if not -ndim <= axis < ndim:
             raise SyncBatchNormError(messages.text('bad_axis', layer=self.name, axis=axis,
-                                                   ndim=x.ndim))
-        channels = x.shape[axis]
+                                                   ndim=ndim))
+        channels = shape[axis]
         expected = self.gamma.shape[0] if self.gamma.shape else 0
         if expected and channels != expected:
             raise SyncBatchNormError(messages.text('wrong_channels', layer=self.name,

@@ -133,8 +133,15 @@ def amp_initialized():
 
 def dtype_name(dtype):
     """The name MXNet's operators take for ``dtype`` ('float32', 'bfloat16', ...)."""
-    dtype = np.dtype(dtype)
-    return 'bfloat16' if dtype == _BFLOAT16 else dtype.name
+    try:
+        return _DTYPE_NAMES[dtype]
+    except (KeyError, TypeError):  # TypeError: not hashable
+        dtype = np.dtype(dtype)
+        return 'bfloat16' if dtype == _BFLOAT16 else dtype.name
+
+
+# Every layer call asks for its input's: np.dtype() costs more than a look-up.
+_DTYPE_NAMES = {t: np.dtype(t).name for t in (np.float16, np.float32, np.float64)}
 
 
 def operator_dtype(name):

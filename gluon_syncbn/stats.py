@@ -41,9 +41,8 @@ def forward_contribution(count, m1, m2, v):
 
 
 def merge(total):
-    """Global ``(n, mean, biased var)`` from the summed forward contributions."""
-    if total[0] <= 0:
-        raise ValueError('the batch is empty on every device')
+    """Global ``(n, mean, biased var)`` from the summed forward contributions
+    (``n > 0``: the meeting refuses an empty batch first)."""
     n, mean, mean_sq = wire.unpack_forward(total)
     return n, mean, np.maximum(mean_sq - mean * mean, 0.0)
 

@@ -13,27 +13,18 @@ Every vector is float64 and ``C`` is the channel count.
     had (its backward pairs by them) and the global statistics. ``call < 0``
     marks a call made in inference mode.
 ``CHECKED``  ``[channels, call, vector...]``
-    a vector sent to other workers; the two check numbers are summed with it,
-    and must come back as ``workers * (channels, call)``.
+    a vector sent to other workers (by the native session only); the two
+    check numbers are summed with it, and must come back as
+    ``workers * (channels, call)``.
 
 ``native/wire.h`` packs and unpacks the same layouts for the native operators.
 """
 import numpy as np
 
-__all__ = ['forward_size', 'backward_size', 'pack_forward', 'unpack_forward', 'pack_backward', 'unpack_backward',
-           'pack_info', 'unpack_info', 'info_size', 'pack_checked', 'unpack_checked',
-           'channels_of']
+__all__ = ['pack_forward', 'unpack_forward', 'pack_backward', 'unpack_backward', 'pack_info',
+           'unpack_info', 'info_size', 'channels_of']
 
 INFO_HEAD = 3  # token, call, n
-CHECKS = 2     # channels, call
-
-
-def forward_size(channels):
-    return 1 + 2 * channels
-
-
-def backward_size(channels):
-    return 2 * channels
 
 
 def pack_forward(count, mean, var):
@@ -76,12 +67,3 @@ def unpack_info(info):
 def channels_of(direction, vector):
     """Channels of a ``FORWARD`` (``direction='fwd'``) or ``BACKWARD`` vector."""
     return (len(vector) - 1) // 2 if direction == 'fwd' else len(vector) // 2
-
-
-def pack_checked(channels, call, vector):
-    return np.concatenate(([float(channels), float(call)], np.asarray(vector, np.float64)))
-
-
-def unpack_checked(total):
-    """``(checks, vector)`` of a summed ``CHECKED`` vector."""
-    return total[:CHECKS], total[CHECKS:]

@@ -39,7 +39,7 @@ def run_devices(fns, deadline=10.0):
 
 def forward(barrier, device, value, token=None):
     key = barrier.next_forward_key(device, token)
-    return key, barrier.exchange(key, device, value, add_up, token=token)
+    return key, barrier.meet(key, device, value, add_up, token=token)
 
 
 def test_kth_calls_pair_up_whatever_the_arrival_order():
@@ -66,7 +66,7 @@ def test_backward_pairs_by_forward_key_even_in_reverse_order():
     calls = []
     for i in range(2):
         order = keys[i] if i == 0 else keys[i][::-1]
-        calls += [lambda i=i, key=key: (key, barrier.exchange(('bwd',) + key[1:], i,
+        calls += [lambda i=i, key=key: (key, barrier.meet(('bwd',) + key[1:], i,
                                                                (i + 1) * (key[2] + 1), add_up))
                   for key in order]
     out = dict()
@@ -89,7 +89,7 @@ def test_reduce_error_reaches_every_device():
     def reduce(key, values):
         raise SyncBatchNormError('channels disagree')
     barrier = CallOrderBarrier('bn', ['a', 'b'], 5.0)
-    out = run_devices([lambda i=i: barrier.exchange(barrier.next_forward_key(i), i, 1, reduce)
+    out = run_devices([lambda i=i: barrier.meet(barrier.next_forward_key(i), i, 1, reduce)
                        for i in range(2)])
     assert all(isinstance(e, SyncBatchNormError) and 'disagree' in str(e) for e in out)
 
@@ -124,7 +124,7 @@ def test_a_timed_out_exchange_is_not_kept_for_a_device_that_never_comes():
         out = run_devices([lambda: forward(barrier, 0, 1.0, token)])
         assert isinstance(out[0], SyncBatchNormTimeout)
         session.begin_step()
-    assert barrier._exchanges == {}
+    assert barrier._meetings == {}
 
 
 class Layer(object):

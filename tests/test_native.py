@@ -496,9 +496,9 @@ for step in range(3):
         y.wait_to_read()
     except mx.base.MXNetError as exc:
         print('STEP%d' % step, 'missing: cpu(1)' in str(exc))
-print('PENDING', SESSION.native.test_count('exchanges') if SESSION.native else '-')
+print('PENDING', SESSION.native.test_count('meetings') if SESSION.native else '-')
 backend = bn._sync_backend
-print('BARRIER', len(backend.barrier._exchanges) if backend.name == 'python' else 0)
+print('BARRIER', len(backend.barrier._meetings) if backend.name == 'python' else 0)
 '''
 
 

@@ -143,8 +143,8 @@ class SyncBatchNormOp(mx.operator.CustomOp):
             barrier = self.backend.barrier
             key = barrier.next_forward_key(self.device, self.token)
             contribution = stats.forward_contribution(count, m1, m2, v)
-            total = barrier.exchange(key, self.device, (contribution, self.input_dtype),
-                                     self.backend.reduce, token=self.token)[self.sync_group]
+            total = barrier.meet(key, self.device, (contribution, self.input_dtype),
+                                 self.backend.reduce, token=self.token)[self.sync_group]
             n, mean, var = stats.merge(total)
             self._update_running(aux, mean, var)
             token, call = key[1], key[2]
@@ -188,9 +188,8 @@ class SyncBatchNormOp(mx.operator.CustomOp):
         contribution, d_gamma, d_beta = stats.backward_contribution(
             d_scale, d_shift, mean, m1, inv_std)
         key = ('bwd', token, call)
-        total = self.backend.barrier.exchange(key, self.device, (contribution, self.input_dtype),
-                                              self.backend.reduce,
-                                              token=self.token)[self.sync_group]
+        total = self.backend.barrier.meet(key, self.device, (contribution, self.input_dtype),
+                                          self.backend.reduce, token=self.token)[self.sync_group]
         d_m2, d_v = stats.local_moment_grads(total, count, n, mean, m1, gamma, inv_std)
         _write(in_grad[0], req[0], 0, self.in_place)  # m1 is a constant (BlockGrad in the block)
         _write(in_grad[1], req[1], _rows_grad(d_m2, in_data[1], count, self.row_sums),

@@ -334,7 +334,7 @@ std::string combine_locked(Group& g, const Key& key, const std::shared_ptr<Excha
 // wire.py's CHECKED vector, [channels, call, one row per sync group,
 // ownership], and the exchange completes with the checked sum.
 
-const size_t kChecks = 2;  // wire.CHECKS
+const size_t kChecks = 2;  // channels, call: wire.py's CHECKED
 
 const char* direction_name(const Key& key) { return std::get<0>(key) == 0 ? "fwd" : "bwd"; }
 
