@@ -19,8 +19,7 @@
 // them into a fresh-variable view of the output, queues the running
 // statistics' read-modify-write with MXNet's operators, and a last engine
 // operation reading the output's view (and the running statistics' views)
-// completes the call. Every failure completes it at once with the error,
-// exactly once.
+// completes the call. The protocol of a call is SyncCall's (sync_call.h).
 //
 // Why fresh-variable views: the engine holds this operator's own variables
 // (its output's, its inputs') until it completes, so a copy declared on them
@@ -46,8 +45,8 @@
 #include <thread>
 
 #include "mxnet_abi.h"
-#include "async_op.h"
 #include "stats.h"
+#include "sync_call.h"
 
 namespace {
 
@@ -123,24 +122,24 @@ struct LayerStaging {
   Staging packed, running_mean, running_var, out, d_out, d_packed;
 };
 
-// The staging of every layer on every device, by (group id, device): shared
-// by the layer's states (imperative calls, each graph) until the layer is
-// gone (forget_layer_staging); a state that outlives it keeps its own.
+// The staging of every layer on every device: shared by the layer's states
+// (imperative calls, each graph) until the layer is gone
+// (forget_layer_staging); a state that outlives it keeps its own.
 std::mutex& g_staging_mutex = *new std::mutex();
-auto& g_staging = *new std::map<std::pair<std::string, int>, std::shared_ptr<LayerStaging>>();
+auto& g_staging = *new std::map<LayerKey, std::shared_ptr<LayerStaging>>();
 
-std::shared_ptr<LayerStaging> layer_staging(const std::string& group_id, int device) {
+std::shared_ptr<LayerStaging> layer_staging(const LayerKey& key) {
   std::lock_guard<std::mutex> lock(g_staging_mutex);
-  auto& staging = g_staging[std::make_pair(group_id, device)];
+  auto& staging = g_staging[key];
   if (!staging) staging = std::make_shared<LayerStaging>();
   return staging;
 }
 
-// The layer `group_id` was garbage-collected (gsbn_group_remove).
-void forget_layer_staging(const std::string& group_id) {
+// The layer of `group` was garbage-collected (gsbn_group_remove).
+void forget_layer_staging(const GroupId& group) {
   std::lock_guard<std::mutex> lock(g_staging_mutex);
-  g_staging.erase(g_staging.lower_bound(std::make_pair(group_id, INT_MIN)),
-                  g_staging.upper_bound(std::make_pair(group_id, INT_MAX)));
+  g_staging.erase(g_staging.lower_bound(layer_key(group, INT_MIN)),
+                  g_staging.upper_bound(layer_key(group, INT_MAX)));
 }
 
 size_t staging_layers() {
@@ -148,45 +147,21 @@ size_t staging_layers() {
   return g_staging.size();
 }
 
-struct ExchangeState {
-  Op op;                 // params, group, device, issue token
-  int dev_id = 0;
-  Info stats;            // the forward's global statistics and call number
-  std::vector<double> m1, gamma;
+struct ExchangeState : Op {
+  std::vector<double> m1, gamma;  // the forward's, for the backward call
   double count = 0;
   std::shared_ptr<LayerStaging> staging;
 };
 
+// A host array, flat.
 Array host_array(const mxnet::NDArray& a) {
-  Array out;
-  out.shape.push_back(static_cast<int64_t>(a.shape().Size()));
-  out.dtype = a.dtype();
-  out.data = out.size() > 0 ? a.data().dptr_ : nullptr;
-  return out;
+  Array h = array_of(a);
+  h.shape = {h.size()};
+  return h;
 }
 
 std::vector<double> read_host(const mxnet::NDArray& a, int64_t begin, int64_t end) {
-  Array h = host_array(a);
-  std::vector<double> out;
-  for (int64_t i = begin; i < end; ++i) out.push_back(at(h, i));
-  return out;
-}
-
-// Runs `fn` as an engine operation on CPU context `dev_id`'s worker once
-// every operation queued so far on `reads` has completed. False (fn dropped,
-// never run) if the engine refused.
-bool run_after(const std::vector<mxnet::NDArray>& reads, int dev_id, std::function<void()> fn,
-               const char* name, std::string* error) {
-  std::vector<NDArrayHandle> handles;
-  for (const auto& a : reads) handles.push_back(const_cast<mxnet::NDArray*>(&a));
-  int ctx[2] = {1, dev_id};  // mxnet::Context{kCPU, dev_id}
-  auto* f = new Finish{std::move(fn)};
-  if (MXEnginePushSyncND(run_finish, f, delete_finish, ctx, handles.data(),
-                         static_cast<int>(handles.size()), nullptr, 0, nullptr, 0, name) != 0) {
-    *error = MXGetLastError();
-    return false;
-  }
-  return true;
+  return values(host_array(a), begin, end);
 }
 
 // CopyFromTo, with its CHECK failures as an error.
@@ -257,246 +232,214 @@ bool queue_running_updates(const std::vector<mxnet::NDArray>& running, const Inf
   return true;
 }
 
-std::string exchange_error(const Group& g, const std::string& error) {
-  return in_layer(g.name, "exchanging the statistics failed: " + error);
-}
-
-// A call that failed on its own (an engine refusal, a copy MXNet rejected):
-// the step is aborted, so the other devices' calls fail now instead of
-// waiting for this one until the timeout, and the call completes with it.
-void fail_call(const mxnet::engine::CallbackOnComplete& on_complete, const Group& g,
-               const std::string& error) {
-  const std::string message = exchange_error(g, error);
-  abort_step(message);
-  complete(on_complete, message);
-}
-
 mxnet::OpStatePtr exchange_create_state(const nnvm::NodeAttrs& attrs, mxnet::Context ctx,
                                         const mxnet::ShapeVector& in_shapes,
                                         const std::vector<int>&) {
   auto* state = new ExchangeState();
-  state->dev_id = ctx.dev_id;
-  state->op = node_op(attrs, ctx);
-  std::string error;  // the channel count: gamma's shape, as shape inference set it
-  CHECK(attach_remote(*state->op.group, in_shapes[2].Size(), &error)) << error;
-  state->staging = layer_staging(state->op.params.group_id, state->op.device);
-  return make_state(state, layer_variable(state->op.params.group_id, state->op.device));
+  // the channel count: gamma's shape, as shape inference set it
+  mxnet::OpStatePtr ptr = create_state(state, attrs, ctx, in_shapes[2].Size());
+  state->staging = layer_staging(layer_key(state->params.group_id, state->device));
+  return ptr;
+}
+
+// A call of the exchange operator: its state, and what its continuations use.
+struct ExchangeCall : SyncCall {
+  ExchangeState& state;
+  int64_t C = 0;
+  bool write = true;
+  ExchangeCall(const mxnet::OpStatePtr& ptr, const mxnet::OpContext& ctx)
+      : SyncCall(ptr, ptr.get_state<ExchangeState>(), ctx),
+        state(ptr.get_state<ExchangeState>()) {}
+};
+
+struct ExchangeForward : ExchangeCall {
+  using ExchangeCall::ExchangeCall;
+  bool train = false, ordered = false;
+  double count = 0;
+  std::vector<mxnet::NDArray> hosts, running;
+  mxnet::NDArray out_view, out_host;
+};
+
+struct ExchangeBackward : ExchangeCall {
+  using ExchangeCall::ExchangeCall;
+  mxnet::NDArray dy_host, gin_view, gin_host;
+};
+
+// Scale and shift into the output, the running statistics' update queued,
+// and the done-operation that completes the call once they are written.
+void finish_forward(const std::shared_ptr<ExchangeForward>& c, const std::vector<double>& m1,
+                    const std::vector<double>& gamma, const std::vector<double>& beta,
+                    const Info& stats) {
+  NoBulk no_bulk;
+  const int64_t C = c->C;
+  std::vector<double> scale, shift;
+  normalize_coefficients(c->op.params, stats, m1, gamma, beta, &scale, &shift);
+  Array h = host_array(c->out_host);
+  for (int64_t ch = 0; ch < C; ++ch) {
+    put(h, ch, scale[ch], 1);
+    put(h, C + ch, shift[ch], 1);
+  }
+  std::string error;
+  std::vector<mxnet::NDArray> wait = {c->out_view};
+  if (c->write && !copy_to(c->out_host, c->out_view, &error)) return c->fail_call(error);
+  if (c->train) {
+    if (!queue_running_updates(c->running, stats, c->op.params.momentum, &error))
+      return c->fail_call(error);
+    if (!c->ordered) wait.insert(wait.end(), c->running.begin(), c->running.end());
+  }
+  c->run_after(wait, [c]() { c->complete(); }, "gluon_syncbn_exchange_done");
+}
+
+// On the host, once the packed vector is: the forward's vectors kept for
+// the backward call, and the FORWARD exchange (predict mode: the running
+// statistics instead).
+void forward_step(const std::shared_ptr<ExchangeForward>& c) {
+  NoBulk no_bulk;
+  const int64_t C = c->C;
+  const mxnet::NDArray& host = c->hosts[0];
+  std::vector<double> m1 = read_host(host, 0, C), m2 = read_host(host, C, 2 * C),
+                      v = read_host(host, 2 * C, 3 * C), gamma = read_host(host, 3 * C, 4 * C),
+                      beta = read_host(host, 4 * C, 5 * C);
+  c->state.m1 = m1;
+  c->state.gamma = gamma;
+  c->state.count = c->count;
+  if (!c->train) {
+    Info stats;  // call < 0: no backward through it
+    stats.mean = read_host(c->hosts[1], 0, C);
+    stats.var = read_host(c->hosts[2], 0, C);
+    c->state.stats = stats;
+    return finish_forward(c, m1, gamma, beta, stats);
+  }
+  c->exchange_forward(forward_contribution(c->count, m1, m2, v),
+                      [c, m1, gamma, beta](const Info& stats) {
+    // Each device issues its own copies and updates, in parallel with the others.
+    c->run_on_worker([=]() { finish_forward(c, m1, gamma, beta, stats); });
+  });
 }
 
 // Inputs: packed, data, gamma, beta, running_mean, running_var.
-void exchange_op_forward(const mxnet::OpStatePtr& state_ptr, const mxnet::OpContext& ctx,
-                      const std::vector<mxnet::NDArray>& in,
-                      const std::vector<mxnet::OpReqType>& req,
-                      const std::vector<mxnet::NDArray>& out) {
+void exchange_op_forward(const mxnet::OpStatePtr& state, const mxnet::OpContext& ctx,
+                         const std::vector<mxnet::NDArray>& in,
+                         const std::vector<mxnet::OpReqType>& req,
+                         const std::vector<mxnet::NDArray>& out) {
   NoBulk no_bulk;
-  ExchangeState& state = state_ptr.get_state<ExchangeState>();
-  ExchangeState* s = &state;
-  const mxnet::OpStatePtr state_held = state_ptr;  // s stays valid till the call completes
-  const Op op = state.op;
-  const Params& p = op.params;
-  auto on_complete = ctx.async_on_complete;
-  Group* const gp = op.group.get();  // op (captured) keeps it alive
-  const int64_t C = static_cast<int64_t>(in[4].shape().Size());
+  auto c = std::make_shared<ExchangeForward>(state, ctx);
+  const Params& p = c->op.params;
+  const Group& g = *c->op.group;
+  const int64_t C = c->C = static_cast<int64_t>(in[4].shape().Size());
   const mxnet::NDArray packed = plain(in[0]);
   const int64_t P = static_cast<int64_t>(packed.shape().Size());
-  const std::string& device = gp->devices[op.device];
+  const std::string& device = g.devices[c->op.device];
   if (P != 5 * C || C == 0)
-    return fail_call(on_complete, *gp, "on " + device + " the exchange operator got a packed "
-                     "input of " + std::to_string(P) + " elements for " + std::to_string(C) +
-                     " channels (5 per channel expected)");
+    return c->fail_call("on " + device + " the exchange operator got a packed input of " +
+                        std::to_string(P) + " elements for " + std::to_string(C) +
+                        " channels (5 per channel expected)");
   if (req[0] == kAddTo)
-    return fail_call(on_complete, *gp, "on " + device + " the exchange operator was asked to "
-                     "add to its output, which it cannot");
-  const double count = static_cast<double>(in[1].shape().Size()) / static_cast<double>(C);
-  const bool train = ctx.is_train;
-  uint64_t token = 0;
-  int64_t call = -1;
-  std::string error;
-  if (train && !number_call(*gp, op.device, p.static_shape, op.token, &token, &call, &error))
-    return complete(on_complete, error);
+    return c->fail_call("on " + device + " the exchange operator was asked to add to its "
+                        "output, which it cannot");
+  c->count = static_cast<double>(in[1].shape().Size()) / static_cast<double>(C);
+  c->train = ctx.is_train;
+  c->write = req[0] != kNull;
+  if (c->train && !c->number()) return;
   // Device to host: the packed vector (and in predict mode the running statistics).
-  LayerStaging& staged = *state.staging;
+  LayerStaging& staged = *c->state.staging;
   std::vector<Staging*> down = {&staged.packed};
   std::vector<mxnet::NDArray> sources = {packed};
-  if (!train) {
+  if (!c->train) {
     down.insert(down.end(), {&staged.running_mean, &staged.running_var});
     sources.insert(sources.end(), {plain(in[4]), plain(in[5])});
   }
-  std::vector<mxnet::NDArray> hosts;
+  std::string error;
   for (size_t i = 0; i < sources.size(); ++i) {
     const mxnet::NDArray& a = sources[i];
     down[i]->of(a, static_cast<int64_t>(a.shape().Size()), a.dtype());
-    hosts.push_back(down[i]->host);
-    if (!copy_to(down[i]->view, hosts.back(), &error))
-      return fail_call(on_complete, *gp, error);
+    c->hosts.push_back(down[i]->host);
+    if (!copy_to(down[i]->view, c->hosts.back(), &error)) return c->fail_call(error);
   }
   staged.out.of(out[0], 2 * C, out[0].dtype());
-  const mxnet::NDArray out_view = staged.out.view, out_host = staged.out.host;
+  c->out_view = staged.out.view;
+  c->out_host = staged.out.host;
   // The running statistics' arrays: the Parameter's own in static_shape
   // graphs, whose auxiliary states are read-only (queued behind every earlier
   // operation on them); else this call's mutable inputs, through views
   // written before the call completes.
-  const bool ordered = p.static_shape && gp->running.size() == gp->devices.size();
-  std::vector<mxnet::NDArray> running;
-  if (train) {
-    if (ordered) {
-      for (NDArrayHandle h : gp->running[op.device])
-        running.push_back(*static_cast<mxnet::NDArray*>(h));
+  c->ordered = p.static_shape && g.running.size() == g.devices.size();
+  if (c->train) {
+    if (c->ordered) {
+      for (NDArrayHandle h : g.running[c->op.device])
+        c->running.push_back(*static_cast<mxnet::NDArray*>(h));
     } else {
-      running = {staged.running_mean.view_of(plain(in[4])),
-                 staged.running_var.view_of(plain(in[5]))};
+      c->running = {staged.running_mean.view_of(plain(in[4])),
+                    staged.running_var.view_of(plain(in[5]))};
     }
   }
-  const int dev_id = state.dev_id;
-  // Keeps every array the call's pushed operations use alive until it completes.
-  std::vector<mxnet::NDArray> keep = {in[0], in[4], in[5], out[0], packed};
-  auto finish = [=](const std::vector<double>& m1, const std::vector<double>& gamma,
-                    const std::vector<double>& beta, const Info& stats) {
-    NoBulk no_bulk;
-    std::string error;
-    try {
-      std::vector<double> scale, shift;
-      normalize_coefficients(p, stats, m1, gamma, beta, &scale, &shift);
-      Array h = host_array(out_host);
-      for (int64_t c = 0; c < C; ++c) {
-        put(h, c, scale[c], 1);
-        put(h, C + c, shift[c], 1);
-      }
-      std::vector<mxnet::NDArray> wait = {out_view};
-      if (req[0] != kNull && !copy_to(out_host, out_view, &error))
-        return fail_call(on_complete, *gp, error);
-      if (train) {
-        if (!queue_running_updates(running, stats, p.momentum, &error))
-          return fail_call(on_complete, *gp, error);
-        if (!ordered) wait.insert(wait.end(), running.begin(), running.end());
-      }
-      std::vector<mxnet::NDArray> held = keep;
-      held.push_back(out_host);
-      if (!run_after(wait, dev_id, [=]() { (void)held; complete(on_complete, ""); },
-                     "gluon_syncbn_exchange_done", &error))
-        fail_call(on_complete, *gp, error);
-    } catch (const std::exception& e) {
-      fail_call(on_complete, *gp, e.what());
-    }
-  };
-  auto exchange_step = [=]() {
-    (void)state_held;
-    NoBulk no_bulk;
-    try {
-      const mxnet::NDArray& host = hosts[0];
-      std::vector<double> m1 = read_host(host, 0, C), m2 = read_host(host, C, 2 * C),
-                          v = read_host(host, 2 * C, 3 * C),
-                          gamma = read_host(host, 3 * C, 4 * C),
-                          beta = read_host(host, 4 * C, 5 * C);
-      s->m1 = m1;
-      s->gamma = gamma;
-      s->count = count;
-      if (!train) {
-        Info stats;  // call < 0: no backward through it
-        stats.mean = read_host(hosts[1], 0, C);
-        stats.var = read_host(hosts[2], 0, C);
-        s->stats = stats;
-        return finish(m1, gamma, beta, stats);
-      }
-      const std::thread::id issuer = std::this_thread::get_id();
-      exchange_async(*gp, Key(0, token, call), op.device,
-                     forward_contribution(count, m1, m2, v), p.dtype_name,
-                     [=](const std::string& error, const std::vector<double>& total) {
-        if (!error.empty()) return complete(on_complete, error);
-        Info stats = merge(total);
-        stats.token = static_cast<double>(token);
-        stats.call = static_cast<double>(call);
-        s->stats = stats;
-        // Each device issues its own copies and updates, in parallel with the others.
-        run_on_worker(dev_id, issuer, [=]() { finish(m1, gamma, beta, stats); });
-      });
-    } catch (const std::exception& e) {
-      fail_call(on_complete, *gp, e.what());
-    }
-  };
-  if (!run_after(hosts, dev_id, exchange_step,
-                 "gluon_syncbn_exchange", &error))
-    fail_call(on_complete, *gp, error);
+  c->keep = {in[0], in[4], in[5], out[0], packed};
+  c->run_after(c->hosts, [c]() { forward_step(c); }, "gluon_syncbn_exchange");
+}
+
+// After the BACKWARD exchange: d packed into the input's gradient, and the
+// done-operation that completes the call once it is written.
+void finish_backward(const std::shared_ptr<ExchangeBackward>& c, const std::vector<double>& total,
+                     const std::vector<double>& gamma, const std::vector<double>& inv_stds,
+                     const std::vector<double>& d_gamma, const std::vector<double>& d_shift) {
+  if (!c->write) return c->complete();
+  NoBulk no_bulk;
+  const int64_t C = c->C;
+  std::vector<double> d_m2, d_v;
+  local_moment_grads(total, c->state.count, c->stats, c->state.m1, gamma, inv_stds, &d_m2, &d_v);
+  Array h = host_array(c->gin_host);
+  for (int64_t ch = 0; ch < C; ++ch) {
+    put(h, ch, 0.0, 1);  // m1: a constant
+    put(h, C + ch, d_m2[ch], 1);
+    put(h, 2 * C + ch, d_v[ch], 1);
+    put(h, 3 * C + ch, d_gamma[ch], 1);
+    put(h, 4 * C + ch, d_shift[ch], 1);  // d beta = sum dy
+  }
+  std::string error;
+  if (!copy_to(c->gin_host, c->gin_view, &error)) return c->fail_call(error);
+  c->run_after({c->gin_view}, [c]() { c->complete(); }, "gluon_syncbn_exchange_done");
+}
+
+// On the host, once d [scale | shift] is: the BACKWARD exchange.
+void backward_step(const std::shared_ptr<ExchangeBackward>& c) {
+  NoBulk no_bulk;
+  const int64_t C = c->C;
+  std::vector<double> d_scale = read_host(c->dy_host, 0, C),
+                      d_shift = read_host(c->dy_host, C, 2 * C);
+  std::vector<double> gamma = c->state.gamma, inv_stds, d_gamma;
+  std::vector<double> contribution =
+      backward_contribution(c->op.params, c->stats, c->state.m1, c->state.count, &gamma,
+                            &d_scale, &d_shift, &inv_stds, &d_gamma);
+  c->exchange_backward(contribution, [=](const std::vector<double>& total) {
+    finish_backward(c, total, gamma, inv_stds, d_gamma, d_shift);
+  });
 }
 
 // Input: d [scale | shift]; output: d packed.
-void exchange_op_backward(const mxnet::OpStatePtr& state_ptr, const mxnet::OpContext& ctx,
-                       const std::vector<mxnet::NDArray>& in,
-                       const std::vector<mxnet::OpReqType>& req,
-                       const std::vector<mxnet::NDArray>& out) {
+void exchange_op_backward(const mxnet::OpStatePtr& state, const mxnet::OpContext& ctx,
+                          const std::vector<mxnet::NDArray>& in,
+                          const std::vector<mxnet::OpReqType>& req,
+                          const std::vector<mxnet::NDArray>& out) {
   NoBulk no_bulk;
-  ExchangeState& state = state_ptr.get_state<ExchangeState>();
-  const Op op = state.op;
-  const Params& p = op.params;
-  Group* const gp = op.group.get();  // op (captured) keeps it alive
-  auto on_complete = ctx.async_on_complete;
-  const Info stats = state.stats;
-  if (stats.call < 0) return complete(on_complete, inference_backward(gp->name));
-  std::string error = dtype_problem(gp->name, "the gradient of its output", in[0].dtype());
-  if (!error.empty()) {
-    abort_step(error);  // the other devices' backward calls would wait for this one
-    return complete(on_complete, error);
-  }
+  auto c = std::make_shared<ExchangeBackward>(state, ctx);
+  if (!c->has_forward(in[0].dtype())) return;
   if (req[0] == kAddTo)
-    return fail_call(on_complete, *gp, "on " + gp->devices[op.device] + " the exchange "
-                     "operator was asked to add to its input's gradient, which it cannot");
-  if (!backward_current(*gp, p.static_shape, op.token, &error))
-    return complete(on_complete, error);
-  const std::vector<double> m1 = state.m1;
-  const double count = state.count;
-  std::vector<double> gamma = state.gamma;
-  const int64_t C = static_cast<int64_t>(m1.size());
+    return c->fail_call("on " + c->op.group->devices[c->op.device] + " the exchange operator "
+                        "was asked to add to its input's gradient, which it cannot");
+  if (!c->current()) return;
+  const int64_t C = c->C = static_cast<int64_t>(c->state.m1.size());
   const mxnet::NDArray dy = plain(in[0]);
-  const int64_t P = static_cast<int64_t>(out[0].shape().Size());
-  LayerStaging& staged = *state.staging;
+  LayerStaging& staged = *c->state.staging;
   staged.d_out.of(dy, 2 * C, dy.dtype());
-  const mxnet::NDArray dy_host = staged.d_out.host;
-  if (!copy_to(staged.d_out.view, dy_host, &error)) return fail_call(on_complete, *gp, error);
-  staged.d_packed.of(out[0], P, out[0].dtype());
-  const mxnet::NDArray gin_view = staged.d_packed.view, gin_host = staged.d_packed.host;
-  const int dev_id = state.dev_id;
-  const bool write = req[0] != kNull;
-  std::vector<mxnet::NDArray> keep = {in[0], dy, out[0], gin_host};
-  auto step = [=]() {
-    NoBulk no_bulk;
-    try {
-      std::vector<double> d_scale = read_host(dy_host, 0, C),
-                          d_shift = read_host(dy_host, C, 2 * C);
-      std::vector<double> g_ = gamma, inv_std, d_gamma;
-      std::vector<double> contribution = backward_contribution(
-          p, stats, m1, count, &g_, &d_scale, &d_shift, &inv_std, &d_gamma);
-      exchange_async(*gp, Key(1, static_cast<uint64_t>(stats.token),
-                            static_cast<int64_t>(stats.call)),
-                     op.device, contribution, p.dtype_name,
-                     [=](const std::string& error, const std::vector<double>& total) {
-        if (!error.empty()) return complete(on_complete, error);
-        if (!write) return complete(on_complete, "");
-        NoBulk no_bulk;
-        std::vector<double> d_m2, d_v;
-        local_moment_grads(total, count, stats, m1, g_, inv_std, &d_m2, &d_v);
-        Array h = host_array(gin_host);
-        for (int64_t c = 0; c < C; ++c) {
-          put(h, c, 0.0, 1);  // m1: a constant
-          put(h, C + c, d_m2[c], 1);
-          put(h, 2 * C + c, d_v[c], 1);
-          put(h, 3 * C + c, d_gamma[c], 1);
-          put(h, 4 * C + c, d_shift[c], 1);  // d beta = sum dy
-        }
-        std::string failure;
-        if (!copy_to(gin_host, gin_view, &failure))
-          return fail_call(on_complete, *gp, failure);
-        std::vector<mxnet::NDArray> held = keep;
-        if (!run_after({gin_view}, dev_id, [=]() { (void)held; complete(on_complete, ""); },
-                       "gluon_syncbn_exchange_done", &failure))
-          fail_call(on_complete, *gp, failure);
-      });
-    } catch (const std::exception& e) {
-      fail_call(on_complete, *gp, e.what());
-    }
-  };
-  if (!run_after({dy_host}, dev_id, step,
-                 "gluon_syncbn_exchange_backward", &error))
-    fail_call(on_complete, *gp, error);
+  c->dy_host = staged.d_out.host;
+  std::string error;
+  if (!copy_to(staged.d_out.view, c->dy_host, &error)) return c->fail_call(error);
+  staged.d_packed.of(out[0], static_cast<int64_t>(out[0].shape().Size()), out[0].dtype());
+  c->gin_view = staged.d_packed.view;
+  c->gin_host = staged.d_packed.host;
+  c->write = req[0] != kNull;
+  c->keep = {in[0], dy, out[0], c->gin_host};
+  c->run_after({c->dy_host}, [c]() { backward_step(c); }, "gluon_syncbn_exchange_backward");
 }
 
 // ------------------------------------------------------------ registration --
@@ -563,8 +506,7 @@ void set_compute(nnvm::Op* op, const mxnet::FStatefulComputeEx& fn) {
 }
 
 void register_exchange_op() {
-  auto* registry = dmlc::Registry<nnvm::Op>::Get();
-  nnvm::Op* fwd = &registry->__REGISTER_OR_GET__(EXCHANGE_OP);
+  nnvm::Op* fwd = &dmlc::Registry<nnvm::Op>::Get()->__REGISTER_OR_GET__(EXCHANGE_OP);
   fwd->set_num_inputs(6).set_num_outputs(1);
   for (const char* name : EXCHANGE_INPUTS)
     fwd->add_argument(name, "NDArray-or-Symbol", name);
@@ -572,18 +514,12 @@ void register_exchange_op() {
   set_attr<nnvm::FMutateInputs>(fwd, "FMutateInputs", OLD_ABI(exchange_mutated));
   set_attr<mxnet::FInferShape>(fwd, "FInferShape", OLD_ABI(exchange_infer_shape));
   set_attr<nnvm::FInferType>(fwd, "FInferType", OLD_ABI(exchange_infer_type));
-  set_attr<mxnet::FInferStorageType>(fwd, "FInferStorageType", OLD_ABI(async_infer_storage));
+  set_attr<mxnet::FInferStorageType>(fwd, "FInferStorageType", OLD_ABI(default_storage));
   set_attr<mxnet::FCreateOpState>(fwd, "FCreateOpState", OLD_ABI(exchange_create_state));
   set_attr<mxnet::FExecType>(fwd, "FExecType", OLD_ABI(async_exec));
   set_compute(fwd, OLD_ABI(exchange_op_forward));
   set_attr<nnvm::FGradient>(fwd, "FGradient", OLD_ABI(exchange_gradient));
-  nnvm::Op* bwd = &registry->__REGISTER_OR_GET__(EXCHANGE_BACKWARD_OP);
-  bwd->set_num_inputs(1).set_num_outputs(1);
-  set_attr<bool>(bwd, "TIsBackward", true);
-  set_attr<bool>(bwd, "TIsLayerOpBackward", true);
-  set_attr<mxnet::FInferStorageType>(bwd, "FInferStorageType", OLD_ABI(async_infer_storage));
-  set_attr<mxnet::FExecType>(bwd, "FExecType", OLD_ABI(async_exec));
-  set_compute(bwd, OLD_ABI(exchange_op_backward));
+  set_compute(register_backward(EXCHANGE_BACKWARD_OP, 1, 1), OLD_ABI(exchange_op_backward));
 }
 
 }  // namespace

@@ -14,7 +14,6 @@
 #include <cmath>
 #include <condition_variable>
 #include <cstdint>
-#include <cstdlib>
 #include <cstdio>
 #include <cstring>
 #include <deque>
@@ -578,11 +577,11 @@ void exchange_async(Group& g, const Key& key, int device, std::vector<double> va
   run_pending();
 }
 
-std::shared_ptr<Group> find_group(const std::string& id, std::string* error) {
+std::shared_ptr<Group> find_group(int64_t id, std::string* error) {
   std::lock_guard<std::mutex> lock(g_mutex);
-  auto it = g_groups.find(std::strtoll(id.c_str(), nullptr, 10));
+  auto it = g_groups.find(id);
   if (it != g_groups.end()) return it->second;
-  *error = message("unknown_group", {{"group", id}});
+  *error = message("unknown_group", {{"group", std::to_string(id)}});
   return nullptr;
 }
 

@@ -16,13 +16,15 @@
 //                 fails at once with the cause, and the cause is queued for
 //                 Python (gsbn_take_errors). Python's Session calls gsbn_abort
 //                 for failures it sees first. One token, one path.
-//   stats.h       the maths in float64: whole calls, and per-channel vectors
-//                 (gluon_syncbn/stats.py's functions, same names).
+//   sync_call.h   the protocol of both operators' calls (SyncCall): state,
+//                 numbering, checks, exchange, continuation, completion;
+//   stats.h       the maths in float64: gluon_syncbn/stats.py's functions
+//                 (same names) and the asynchronous operator's loops;
 //   wire.h        the exchanged vectors' layouts (gluon_syncbn/wire.py's).
 //   messages.h    the wording of failures both languages report
 //                 (gluon_syncbn/messages.py's templates).
 //   arrays.h      reading and writing host arrays as the dtypes they have.
-//   operator.h    arguments and instances of the two operators.
+//   params.h      the operators' string arguments.
 //   failures.h    how failed operations complete (MXNet's unlocked error list),
 //                 the Python operator's included.
 //   mxnet_abi.h   every reliance on libmxnet's C++ ABI.
@@ -122,7 +124,7 @@ void gsbn_group_set_running(int64_t group, int device, NDArrayHandle mean, NDArr
 
 // A layer was garbage-collected: its group and its staging go.
 void gsbn_group_remove(int64_t group) {
-  forget_layer_staging(std::to_string(group));
+  forget_layer_staging(group);
   std::lock_guard<std::mutex> lock(g_mutex);
   g_groups.erase(group);
 }
@@ -217,3 +219,39 @@ int64_t gsbn_test_count(const char* what, int transport) {
 #endif  // GSBN_TESTING
 
 }  // extern "C"
+
+#ifdef GSBN_TESTING
+// stats.h on the given per-channel inputs of C channels (tests/test_native_stats.py):
+// forward_contribution(count, m1, m2, v), merge(total), then with its
+// statistics normalize_coefficients, backward_contribution(d_scale, d_shift)
+// and local_moment_grads(backward_total). `out` gets their results one after
+// another: 1 + 2C, 1 + 2C (n, mean, var), 2C (scale, shift), 3C
+// (contribution, d gamma), 2C (d m2, d v).
+extern "C" void gsbn_test_stats(int C, double count, const double* m1, const double* m2,
+                                const double* v, const double* total, const double* gamma,
+                                const double* beta, double eps, int fix_gamma,
+                                const double* d_scale, const double* d_shift,
+                                const double* backward_total, double* out) {
+  auto vec = [](const double* a, int n) { return std::vector<double>(a, a + n); };
+  auto emit = [&out](const std::vector<double>& a) { out = std::copy(a.begin(), a.end(), out); };
+  Params p;
+  p.eps = eps;
+  p.fix_gamma = fix_gamma != 0;
+  const std::vector<double> centre = vec(m1, C);
+  emit(forward_contribution(count, centre, vec(m2, C), vec(v, C)));
+  const Info stats = merge(vec(total, 1 + 2 * C));
+  emit({stats.n});
+  emit(stats.mean);
+  emit(stats.var);
+  std::vector<double> scale, shift, g = vec(gamma, C), ds = vec(d_scale, C),
+                      dsh = vec(d_shift, C), inv_stds, d_gamma, d_m2, d_v;
+  normalize_coefficients(p, stats, centre, g, vec(beta, C), &scale, &shift);
+  emit(scale);
+  emit(shift);
+  emit(backward_contribution(p, stats, centre, count, &g, &ds, &dsh, &inv_stds, &d_gamma));
+  emit(d_gamma);
+  local_moment_grads(vec(backward_total, 2 * C), count, stats, centre, g, inv_stds, &d_m2, &d_v);
+  emit(d_m2);
+  emit(d_v);
+}
+#endif

@@ -1,0 +1,41 @@
+// The native operators' string arguments, and the key of a layer's tables.
+#pragma once
+#include <cstdint>
+#include <string>
+#include <utility>
+
+namespace {
+
+// A layer's group: the handle gsbn_group_create returned (find_group), which
+// also keys per-layer tables. Handles are never reused.
+typedef int64_t GroupId;
+typedef std::pair<GroupId, int> LayerKey;
+
+LayerKey layer_key(const GroupId& group, int device) { return LayerKey(group, device); }
+
+// The operator's string arguments, as the block passes them.
+struct Params {
+  GroupId group_id = 0;
+  std::string dtype_name = "float32";
+  double eps = 1e-5, momentum = 0.9;
+  bool fix_gamma = false, static_shape = false;
+  int axis = 1;
+};
+
+Params parse_params(int num, const char** keys, const char** values) {
+  Params p;
+  for (int i = 0; i < num; ++i) {
+    std::string key = keys[i], value = values[i];
+    bool yes = value == "True" || value == "true" || value == "1";
+    if (key == "group") p.group_id = std::stoll(value);
+    else if (key == "eps") p.eps = std::stod(value);
+    else if (key == "momentum") p.momentum = std::stod(value);
+    else if (key == "fix_gamma") p.fix_gamma = yes;
+    else if (key == "static_shape") p.static_shape = yes;
+    else if (key == "axis") p.axis = std::stoi(value);
+    else if (key == "input_dtype") p.dtype_name = value;
+  }
+  return p;
+}
+
+}  // namespace
