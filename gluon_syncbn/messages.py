@@ -3,12 +3,12 @@ library report, in one place.
 
 A template's fields are ``{name}``; values arrive formatted (numbers with
 ``%g``, lists joined with ', '). Python fills them in with :func:`text`; the
-native library gets the templates when it loads (:func:`install`) and fills
+native library gets the templates when it loads (``Library.init``) and fills
 them in the same way (``native/messages.h``), so a message reads the same
 whichever backend raised it.
 """
 
-__all__ = ['text', 'install', 'number', 'numbers']
+__all__ = ['text', 'number', 'numbers']
 
 TEMPLATES = {
     # A call's input.
@@ -102,11 +102,3 @@ def number(value):
 def numbers(values):
     """``[a, b]``, each number as :func:`number` formats it."""
     return '[%s]' % ', '.join(number(v) for v in values)
-
-
-def install(lib):
-    """Hand every template to the native library ``lib`` (at load, before
-    any of its operators runs; ``gsbn_set_message`` is declared with the
-    library's other entry points, in ``native._declare``)."""
-    for name, template in TEMPLATES.items():
-        lib.gsbn_set_message(name.encode(), template.encode('utf-8'))

@@ -13,7 +13,7 @@
 // engine copies (CopyFromTo) from a fresh-variable view of the packed input to
 // host staging (pinned memory for a GPU), then an engine operation that reads
 // the staging array, so it runs once the copy has completed; that operation
-// hands the host vector to exchange_async (session.h). Each device's
+// hands the host vector to meet_async (session.h). Each device's
 // continuation, on its own cpu(dev_id) worker, computes scale and shift
 // (stats.h's per-channel part), writes them to host staging, CopyFromTo's
 // them into a fresh-variable view of the output, queues the running

@@ -1,6 +1,6 @@
 // The wording of the failures both languages report: the templates live in
-// gluon_syncbn/messages.py, which hands them over when it loads the library
-// (gsbn_set_message), before any operator runs; `message` fills in their
+// gluon_syncbn/messages.py, handed over when the library loads
+// (gsbn_init), before any operator runs; `message` fills in their
 // "{field}"s as messages.text does, so a message reads the same whichever
 // backend raised it. Included once, by syncbn.cc.
 #pragma once

@@ -1,8 +1,8 @@
 // The session and the call-order barrier of the native operators: which step
 // a call belongs to, how the k-th calls of the devices meet, and how a step
 // fails. Nothing here waits: a device's call hands its vector over with a
-// continuation, which runs once the exchange is complete or has failed.
-// Across processes an exchange has a remote phase: the process's sum goes
+// continuation, which runs once the meeting is complete or has failed.
+// Across processes a meeting has a remote phase: the process's sum goes
 // through the group's transport (transport.h), and the checked sum over all
 // workers completes it; a failure there is fatal (see fatal_locked).
 // Included once, by syncbn.cc.
@@ -36,7 +36,7 @@ namespace {
 // Shared by every layer of the process: the current step's token, the cause of
 // the last abort, and failures waiting to be reported to Python.
 
-struct Exchange;
+struct Meeting;
 struct Group;
 
 // Never destroyed: the watchdog thread and MXNet's engine threads may still
@@ -55,17 +55,17 @@ std::map<int64_t, std::shared_ptr<Group>>& g_groups =
 int64_t g_next_handle = 1;
 // Every group an operator may still hold, also one g_groups no longer names
 // (a layer re-created on other devices, or garbage-collected while a call
-// of it waits): the watchdog and aborts reach every waiting exchange.
+// of it waits): the watchdog and aborts reach every waiting meeting.
 std::vector<std::weak_ptr<Group>>& g_live = *new std::vector<std::weak_ptr<Group>>();
 // Across processes: set once a failure broke synchronization with the other
-// workers (then every later remote exchange fails at once, and the process
+// workers (then every later remote meeting fails at once, and the process
 // ends: fatal_locked); this worker's rank once a layer's sums leave it.
 std::string& g_broken = *new std::string();
 int g_remote_rank = -1;
 double g_exit_grace = 30.0;
 
 // The watchdog (see watchdog()). When it wakes next (at the latest a second
-// from its last look): only an exchange with an earlier deadline needs to
+// from its last look): only a meeting with an earlier deadline needs to
 // wake it, so a call with the usual timeout of many seconds costs no thread
 // wake-up.
 std::condition_variable& g_watchdog_cv = *new std::condition_variable();
@@ -85,7 +85,7 @@ void record_locked(const std::string& kind, const std::string& message) {
 // with its sync group's sum, after the lock is released (run_pending).
 typedef std::function<void(const std::string& error, const std::vector<double>& sum)> Waiter;
 
-struct Exchange {
+struct Meeting {
   uint64_t token;
   std::vector<std::vector<double>> values;  // one vector per device
   std::vector<std::string> dtypes;
@@ -96,18 +96,18 @@ struct Exchange {
   std::vector<std::pair<int, Waiter>> waiters;  // the devices' continuations
   std::chrono::steady_clock::time_point deadline;
   bool remote = false;                      // in the remote phase (across processes)
-  Exchange(uint64_t t, int n) : token(t), values(n), dtypes(n) {}
+  Meeting(uint64_t t, int n) : token(t), values(n), dtypes(n) {}
 };
 
 struct Group : std::enable_shared_from_this<Group> {
   std::string name, hint;
   std::vector<std::string> devices;
-  std::vector<int> subgroup;  // each device's sync group (sync_groups), 0 by default
-  int num_subgroups = 1;
+  std::vector<int> sync_group_of;  // each device's sync group (sync_groups), 0 by default
+  int num_sync_groups = 1;
   double timeout;
   uint64_t counter_token = 0;
   std::vector<int64_t> next_call;
-  std::map<Key, std::shared_ptr<Exchange>> exchanges;
+  std::map<Key, std::shared_ptr<Meeting>> meetings;
   // static_shape graphs only: each device's running mean and variance arrays
   // (the Parameter's own NDArrays, kept alive by the Python group).
   std::vector<std::vector<NDArrayHandle>> running;
@@ -136,16 +136,16 @@ std::vector<std::shared_ptr<Group>> live_groups_locked() {
 std::vector<std::tuple<Waiter, std::string, std::vector<double>>>& g_pending =
     *new std::vector<std::tuple<Waiter, std::string, std::vector<double>>>();
 
-void release_locked(Group& g, const Key& key, const std::shared_ptr<Exchange>& ex);
+void release_locked(Group& g, const Key& key, const std::shared_ptr<Meeting>& ex);
 
-// Hand an exchange's devices their outcome (lock held).
-void dispatch_locked(Group& g, const Key& key, const std::shared_ptr<Exchange>& ex) {
-  const size_t size = ex->error.empty() ? ex->result.size() / g.num_subgroups : 0;
+// Hand a meeting's devices their outcome (lock held).
+void dispatch_locked(Group& g, const Key& key, const std::shared_ptr<Meeting>& ex) {
+  const size_t size = ex->error.empty() ? ex->result.size() / g.num_sync_groups : 0;
   for (auto& w : ex->waiters) {
     std::vector<double> sum;
     if (ex->error.empty())
-      sum.assign(ex->result.begin() + g.subgroup[w.first] * size,
-                 ex->result.begin() + (g.subgroup[w.first] + 1) * size);
+      sum.assign(ex->result.begin() + g.sync_group_of[w.first] * size,
+                 ex->result.begin() + (g.sync_group_of[w.first] + 1) * size);
     else
       record_locked(ex->kind, ex->error);
     g_pending.emplace_back(std::move(w.second), ex->error, std::move(sum));
@@ -195,10 +195,10 @@ void fatal_locked(const std::string& cause) {
   }).detach();
 }
 
-// Fail every waiting exchange: the step is over (lock held). Fatal once
-// this worker's sums leave it, except at interpreter exit. Every exchange
+// Fail every waiting meeting: the step is over (lock held). Fatal once
+// this worker's sums leave it, except at interpreter exit. Every meeting
 // goes: a call of the aborted step that arrives later is refused by its
-// token (exchange_async), so none of them can be joined again.
+// token (meet_async), so none of them can be joined again.
 void abort_locked(const std::string& cause, const std::string& kind = "SyncBatchNormError",
                   bool exiting = false) {
   if (!exiting && g_remote_rank >= 0)
@@ -207,9 +207,9 @@ void abort_locked(const std::string& cause, const std::string& kind = "SyncBatch
   ++g_token;
   g_cause = cause;
   for (auto& g : live_groups_locked()) {
-    std::map<Key, std::shared_ptr<Exchange>> exchanges;
-    exchanges.swap(g->exchanges);
-    for (auto& e : exchanges)
+    std::map<Key, std::shared_ptr<Meeting>> meetings;
+    meetings.swap(g->meetings);
+    for (auto& e : meetings)
       if (!e.second->done && e.second->error.empty()) {
         e.second->error = in_layer(g->name, cause);
         e.second->kind = kind;
@@ -251,11 +251,11 @@ std::string join(const std::vector<std::string>& items) {
 // device order (the same rounding whatever the arrival order). Every wait ends
 // at the layer's timeout. Returns false with `error` set on failure.
 
-// An exchange goes once every device has taken its outcome (lock held).
-void release_locked(Group& g, const Key& key, const std::shared_ptr<Exchange>& ex) {
+// A meeting goes once every device has taken its outcome (lock held).
+void release_locked(Group& g, const Key& key, const std::shared_ptr<Meeting>& ex) {
   if (++ex->taken == static_cast<int>(g.devices.size())) {
-    auto it = g.exchanges.find(key);
-    if (it != g.exchanges.end() && it->second == ex) g.exchanges.erase(it);
+    auto it = g.meetings.find(key);
+    if (it != g.meetings.end() && it->second == ex) g.meetings.erase(it);
   }
 }
 
@@ -266,11 +266,11 @@ std::chrono::steady_clock::time_point deadline_of(const Group& g) {
              std::chrono::duration<double>(g.timeout));
 }
 
-// The exchange of `key`, created by its first device (lock held).
-std::shared_ptr<Exchange> slot_locked(Group& g, const Key& key) {
-  auto& slot = g.exchanges[key];
+// The meeting of `key`, created by its first device (lock held).
+std::shared_ptr<Meeting> meeting_locked(Group& g, const Key& key) {
+  auto& slot = g.meetings[key];
   if (!slot) {
-    slot = std::make_shared<Exchange>(std::get<1>(key), static_cast<int>(g.devices.size()));
+    slot = std::make_shared<Meeting>(std::get<1>(key), static_cast<int>(g.devices.size()));
     slot->deadline = deadline_of(g);
   }
   return slot;
@@ -280,22 +280,22 @@ std::shared_ptr<Exchange> slot_locked(Group& g, const Key& key) {
 // process's devices has no samples at all ("" if none).
 std::string empty_batch(const Group& g, const Key& key, const std::vector<double>& result) {
   if (std::get<0>(key) != 0) return "";
-  const size_t size = result.size() / g.num_subgroups;
-  for (int s : g.subgroup)
+  const size_t size = result.size() / g.num_sync_groups;
+  for (int s : g.sync_group_of)
     if (result[s * size] <= 0)  // FORWARD: n
       return message("empty_batch",
                      {{"layer", g.name},
-                      {"where", g.num_subgroups > 1
+                      {"where", g.num_sync_groups > 1
                                     ? message("in_sync_group", {{"group", std::to_string(s)}})
                                     : ""}});
   return "";
 }
 
-std::string start_remote_locked(Group& g, const Key& key, const std::shared_ptr<Exchange>& ex);
+std::string start_remote_locked(Group& g, const Key& key, const std::shared_ptr<Meeting>& ex);
 
 // The last device to arrive: checks that the devices agree and sums their
-// vectors; returns the failure, or "" with the exchange done (lock held).
-std::string combine_locked(Group& g, const Key& key, const std::shared_ptr<Exchange>& ex) {
+// vectors; returns the failure, or "" with the meeting done (lock held).
+std::string combine_locked(Group& g, const Key& key, const std::shared_ptr<Meeting>& ex) {
   const int n = static_cast<int>(g.devices.size());
   size_t size = ex->values[0].size();
   bool same_size = true, same_dtype = true;
@@ -317,9 +317,9 @@ std::string combine_locked(Group& g, const Key& key, const std::shared_ptr<Excha
   }
   // One sum per sync group, each in device order (the same rounding
   // whatever the arrival order); a device takes its group's.
-  ex->result.assign(g.num_subgroups * size, 0.0);
+  ex->result.assign(g.num_sync_groups * size, 0.0);
   for (int i = 0; i < n; ++i)
-    for (size_t j = 0; j < size; ++j) ex->result[g.subgroup[i] * size + j] += ex->values[i][j];
+    for (size_t j = 0; j < size; ++j) ex->result[g.sync_group_of[i] * size + j] += ex->values[i][j];
   if (g.transport) return start_remote_locked(g, key, ex);
   const std::string empty = empty_batch(g, key, ex->result);
   if (!empty.empty()) return empty;
@@ -331,7 +331,7 @@ std::string combine_locked(Group& g, const Key& key, const std::shared_ptr<Excha
 // ----------------------------------------------------------- remote phase --
 // Across processes the last device's sum goes to the other workers as
 // wire.py's CHECKED vector, [channels, call, one row per sync group,
-// ownership], and the exchange completes with the checked sum.
+// ownership], and the meeting completes with the checked sum.
 
 const size_t kChecks = 2;  // channels, call: wire.py's CHECKED
 
@@ -362,12 +362,12 @@ std::string format_numbers(const double* v, size_t n) {
 }
 
 void complete_remote(const std::shared_ptr<Group>& g, const Key& key,
-                     const std::shared_ptr<Exchange>& ex, const std::string& error,
+                     const std::shared_ptr<Meeting>& ex, const std::string& error,
                      const std::vector<double>& total);
 
-// Hands the exchange's sum to the transport once g_mutex is released, with a
+// Hands the meeting's sum to the transport once g_mutex is released, with a
 // fresh deadline for the other workers (lock held).
-std::string start_remote_locked(Group& g, const Key& key, const std::shared_ptr<Exchange>& ex) {
+std::string start_remote_locked(Group& g, const Key& key, const std::shared_ptr<Meeting>& ex) {
   if (!g_broken.empty()) return broken_message(g);
   if (g.slot < 0)
     return message("no_slot", {{"layer", g.name}, {"transport", g.transport->name}});
@@ -394,10 +394,10 @@ std::string start_remote_locked(Group& g, const Key& key, const std::shared_ptr<
 
 // What is wrong with the sum over all workers, or "" with ex->result set to
 // this worker's rows (lock held).
-std::string check_remote_locked(const Group& g, const Key& key, Exchange& ex,
+std::string check_remote_locked(const Group& g, const Key& key, Meeting& ex,
                                 const std::vector<double>& total) {
   const Transport& t = *g.transport;
-  const size_t size = ex.values[0].size(), rows = g.num_subgroups * size;
+  const size_t size = ex.values[0].size(), rows = g.num_sync_groups * size;
   const std::array<double, 2> own = own_checks(key, size);
   const double expected[2] = {own[0] * t.workers, own[1] * t.workers};
   if (total.size() != kChecks + rows + g.ownership.size())
@@ -433,11 +433,11 @@ std::string check_remote_locked(const Group& g, const Key& key, Exchange& ex,
   return empty_batch(g, key, ex.result);
 }
 
-// The transport's answer: completes the exchange, or fails the step (and the
-// process: fatal_locked). Ignored if the exchange failed meanwhile (its
+// The transport's answer: completes the meeting, or fails the step (and the
+// process: fatal_locked). Ignored if the meeting failed meanwhile (its
 // deadline, an abort).
 void complete_remote(const std::shared_ptr<Group>& g, const Key& key,
-                     const std::shared_ptr<Exchange>& ex, const std::string& error,
+                     const std::shared_ptr<Meeting>& ex, const std::string& error,
                      const std::vector<double>& total) {
   {
     std::lock_guard<std::mutex> lock(g_mutex);
@@ -474,8 +474,8 @@ bool attach_remote(Group& g, int64_t channels, std::string* error) {
     std::lock_guard<std::mutex> lock(g_mutex);
     if (!g.transport || g.slot >= 0 || channels <= 0) return true;
     t = g.transport;
-    sizes[0] = kChecks + g.num_subgroups * (1 + 2 * channels) + g.ownership.size();
-    sizes[1] = kChecks + g.num_subgroups * 2 * channels + g.ownership.size();
+    sizes[0] = kChecks + g.num_sync_groups * (1 + 2 * channels) + g.ownership.size();
+    sizes[1] = kChecks + g.num_sync_groups * 2 * channels + g.ownership.size();
   }
   int slot = -1;
   if (!t->add_slot(sizes, &slot, error)) {
@@ -489,7 +489,7 @@ bool attach_remote(Group& g, int64_t channels, std::string* error) {
   return true;
 }
 
-std::string timeout_message(const Group& g, const Key& key, const Exchange& ex) {
+std::string timeout_message(const Group& g, const Key& key, const Meeting& ex) {
   const std::string call = std::to_string(std::get<2>(key));
   if (ex.remote)
     return message("remote_timeout",
@@ -510,7 +510,7 @@ std::string timeout_message(const Group& g, const Key& key, const Exchange& ex) 
 }
 
 // ------------------------------------------------------------- watchdog --
-// Fails asynchronous exchanges at their deadline: nothing else waits for them.
+// Fails asynchronous meetings at their deadline: nothing else waits for them.
 
 void watchdog() {
   std::unique_lock<std::mutex> lock(g_mutex);
@@ -519,8 +519,8 @@ void watchdog() {
     std::string failure;
     bool remote = false;
     for (auto& g : live_groups_locked())
-      for (auto& e : g->exchanges) {
-        const Exchange& ex = *e.second;
+      for (auto& e : g->meetings) {
+        const Meeting& ex = *e.second;
         if (ex.waiters.empty() || ex.done || !ex.error.empty()) continue;
         if (ex.deadline <= std::chrono::steady_clock::now()) {
           if (failure.empty()) {
@@ -544,9 +544,9 @@ void watchdog() {
   }
 }
 
-// `done` runs once, on whichever thread completes the exchange
+// `done` runs once, on whichever thread completes the meeting
 // (the last device to arrive, an abort, or the watchdog at the deadline).
-void exchange_async(Group& g, const Key& key, int device, std::vector<double> value,
+void meet_async(Group& g, const Key& key, int device, std::vector<double> value,
                     const std::string& dtype, Waiter done) {
   {
     std::lock_guard<std::mutex> lock(g_mutex);
@@ -562,7 +562,7 @@ void exchange_async(Group& g, const Key& key, int device, std::vector<double> va
       g_pending.emplace_back(std::move(done), broken_message(g), std::vector<double>());
     } else {
       const int n = static_cast<int>(g.devices.size());
-      std::shared_ptr<Exchange> ex = slot_locked(g, key);
+      std::shared_ptr<Meeting> ex = meeting_locked(g, key);
       ex->values[device] = std::move(value);
       ex->dtypes[device] = dtype;
       ex->waiters.emplace_back(device, std::move(done));

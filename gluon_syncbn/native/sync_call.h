@@ -279,7 +279,7 @@ struct SyncCall : std::enable_shared_from_this<SyncCall> {
                 std::function<void(const std::vector<double>&)> then) {
     Call self = shared_from_this();
     issuer = std::this_thread::get_id();
-    exchange_async(*op.group, key, op.device, std::move(contribution), op.params.dtype_name,
+    meet_async(*op.group, key, op.device, std::move(contribution), op.params.dtype_name,
                    [self, then](const std::string& error, const std::vector<double>& total) {
       if (!error.empty()) return self->complete(error);
       self->guard([&then, &total]() { then(total); })();

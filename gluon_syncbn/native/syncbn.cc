@@ -1,6 +1,6 @@
 // The native SyncBatchNorm operators: two operators of MXNet's own kind
 // (registered in its C++ registry through mxnet_abi.h), one session and
-// barrier. Neither is a custom operator and no thread ever waits in them:
+// meeting. Neither is a custom operator and no thread ever waits in them:
 //   async_op.h    CPU contexts: the whole layer call; it runs on the device's
 //                 engine worker, returns at once and completes when the
 //                 devices have met;
@@ -9,13 +9,14 @@
 //                 per-channel vector through MXNet's engine copies;
 //   transport.h   across processes: a process's sums through the kvstore or
 //                 Horovod as engine operations on one buffer per key;
-//   session.h     the step token, the call-order barrier (continuations, whose
-//                 deadlines a watchdog thread keeps), recovery: every failure
-//                 (a timeout, devices that disagree, a call of an aborted step)
-//                 aborts the step; the token advances, every waiting exchange
-//                 fails at once with the cause, and the cause is queued for
-//                 Python (gsbn_take_errors). Python's Session calls gsbn_abort
-//                 for failures it sees first. One token, one path.
+//   session.h     the step token, the meeting of the devices' k-th calls
+//                 (continuations, whose deadlines a watchdog thread keeps),
+//                 recovery: every failure (a timeout, devices that disagree,
+//                 a call of an aborted step) aborts the step; the token
+//                 advances, every waiting meeting fails at once with the
+//                 cause, and the cause is queued for Python (gsbn_error).
+//                 Python's Session calls gsbn_abort for failures it sees
+//                 first. One token, one path.
 //   sync_call.h   the protocol of both operators' calls (SyncCall): state,
 //                 numbering, checks, exchange, continuation, completion;
 //   stats.h       the maths in float64: gluon_syncbn/stats.py's functions
@@ -96,8 +97,8 @@ int64_t gsbn_group_create(const char* name, const char* devices, int num_devices
   g->timeout = timeout;
   const char* d = devices;
   for (int i = 0; i < num_devices; ++i, d += std::strlen(d) + 1) g->devices.emplace_back(d);
-  g->subgroup.assign(sync_group_of, sync_group_of + num_devices);
-  g->num_subgroups = num_sync_groups;
+  g->sync_group_of.assign(sync_group_of, sync_group_of + num_devices);
+  g->num_sync_groups = num_sync_groups;
   g->next_call.assign(num_devices, 0);
   if (transport > 0) {
     g->transport = find_transport(transport);
@@ -202,7 +203,7 @@ void gsbn_store_lock(int transport, int acquire) {
 
 #ifdef GSBN_TESTING
 // Counters for tests: (layer, device) pairs holding exchange staging
-// ("staging"), exchanges the barrier holds ("exchanges"), reductions engine
+// ("staging"), meetings the session holds ("meetings"), reductions engine
 // threads left to the holder of `transport`'s store lock ("queued").
 int64_t gsbn_test_count(const char* what, int transport) {
   const std::string which = what;
@@ -213,7 +214,7 @@ int64_t gsbn_test_count(const char* what, int transport) {
   }
   std::lock_guard<std::mutex> lock(g_mutex);
   int64_t n = 0;
-  for (auto& g : live_groups_locked()) n += static_cast<int64_t>(g->exchanges.size());
+  for (auto& g : live_groups_locked()) n += static_cast<int64_t>(g->meetings.size());
   return n;
 }
 #endif  // GSBN_TESTING
