@@ -82,7 +82,7 @@ def _horovod():
     except ImportError as exc:
         return 'not available (%s)' % exc
     from .transport import HorovodTransport
-    why = HorovodTransport.why_not_native(None)
+    why = HorovodTransport.why_not_native()
     return '%s%s' % (horovod.__version__, ': ' + why if why else ', native transport')
 
 

@@ -216,7 +216,8 @@ class HorovodTransport(_CrossProcessTransport):
         self.num_workers = hvd.size()
         super(HorovodTransport, self).__init__()
 
-    def why_not_native(self):
+    @staticmethod
+    def why_not_native():
         import horovod  # pylint: disable=import-outside-toplevel
         if horovod.__version__.startswith(_HOROVOD_NATIVE + '.'):
             return ''

@@ -93,39 +93,44 @@ def test_layer_over_dist_kvstore_matches_float64(workers, devices, sizes, extra)
     assert_exact(code, output, results, workers)
 
 
-@pytest.mark.parametrize('workers,devices,sizes,hybridize,operator_env', [
-    (2, 2, [1, 3, 2, 1], False, {}),
-    (2, 2, [1, 3, 2, 1], True, {}),
-    (3, 1, [3, 1, 2], False, {}),
-    (2, 2, [1, 3, 2, 1], True, PYTHON),
+@pytest.mark.parametrize('workers,devices,sizes,hybridize', [
+    (2, 2, [1, 3, 2, 1], False),
+    (2, 2, [1, 3, 2, 1], True),
+    (3, 1, [3, 1, 2], False),
 ])
 def test_trainer_over_dist_kvstore_matches_full_batch_training(workers, devices, sizes,
-                                                               hybridize, operator_env):
+                                                               hybridize):
     kwargs = dict(backend='dist_sync', devices=devices, sizes=sizes, hybridize=hybridize)
-    code, output, _, results = run_job(workers, 'train', kwargs, servers=2, env=operator_env)
-    assert_exact(code, output, results, workers, tol=5e-6,
-                 operator='python' if operator_env else 'async')
+    code, output, _, results = run_job(workers, 'train', kwargs, servers=2)
+    assert_exact(code, output, results, workers, tol=5e-6)
 
 
-# The Python operator (the fallback) and the GPU path's exchange operator run
-# a selection of the layer cases.
-OTHER_OPERATOR_CASES = [
-    # (operator, its environment, workers, devices, sizes, extra)
-    ('python', PYTHON, 2, 2, [1, 3, 2, 1], {}),
-    ('python', PYTHON, 2, 2, [0, 0, 1, 2], {'hybridize': True}),
-    ('python', PYTHON, 2, 2, [1, 3, 2, 1], {'sync_groups': [[0, 2], [1, 3]]}),
-    ('exchange', EXCHANGE, 2, 2, [1, 3, 2, 1], {}),
-    ('exchange', EXCHANGE, 3, 1, [2, 1, 4], {'hybridize': 'static', 'run_ahead': True,
-                                                'steps': 4}),
+# The GPU path's exchange operator runs a selection of the layer cases.
+EXCHANGE_CASES = [
+    # (workers, devices, sizes, extra)
+    (2, 2, [1, 3, 2, 1], {}),
+    (2, 2, [0, 0, 1, 2], {'hybridize': True}),
+    (2, 2, [1, 3, 2, 1], {'sync_groups': [[0, 2], [1, 3]]}),
+    (3, 1, [2, 1, 4], {'hybridize': 'static', 'run_ahead': True, 'steps': 4}),
 ]
 
 
-@pytest.mark.parametrize('operator,env,workers,devices,sizes,extra', OTHER_OPERATOR_CASES)
-def test_other_operators_over_dist_kvstore_match_float64(operator, env, workers, devices, sizes,
-                                                        extra):
+@pytest.mark.parametrize('workers,devices,sizes,extra', EXCHANGE_CASES)
+def test_the_exchange_operator_over_dist_kvstore_matches_float64(workers, devices, sizes,
+                                                                 extra):
     kwargs = dict(backend='dist_sync', devices=devices, sizes=sizes, **extra)
-    code, output, _, results = run_job(workers, 'layer', kwargs, servers=1, env=env)
-    assert_exact(code, output, results, workers, operator=operator)
+    code, output, _, results = run_job(workers, 'layer', kwargs, servers=1, env=EXCHANGE)
+    assert_exact(code, output, results, workers, operator='exchange')
+
+
+def test_the_python_operator_across_processes_is_an_error_naming_the_fix():
+    # Across processes the native operators are required.
+    kwargs = dict(backend='dist_sync', devices=1, sizes=[2, 2])
+    code, output, elapsed, _ = run_job(2, 'layer', kwargs, servers=1, deadline=60, env=PYTHON)
+    assert code != 0
+    assert 'GLUON_SYNCBN_BACKEND=python, but across processes the native operators are ' \
+        'required. Unset GLUON_SYNCBN_BACKEND.' in output, output[-3000:]
+    assert elapsed < 40, elapsed
 
 
 @pytest.mark.parametrize('hybridize', [True, 'static'])
@@ -147,55 +152,49 @@ def test_twenty_layers_on_two_workers_of_two_contexts_match_full_batch_training(
     assert_exact(code, output, results, 2)
 
 
-# The fault tests run on the default backend (native) and on the Python one (which
-# has no Horovod-specific fault handling: over the kvstore only).
-OPERATOR_ENVS = [pytest.param({}, id='auto'), pytest.param(PYTHON, id='python')]
-BACKEND_OPERATORS = [('dist_sync', 'kvstore', {}), ('horovod', 'horovod', {}),
-                     ('dist_sync', 'kvstore', PYTHON)]
+# The fault tests, over either engine.
+BACKENDS = [('dist_sync', 'kvstore'), ('horovod', 'horovod')]
 
 
-@pytest.mark.parametrize('operator_env', OPERATOR_ENVS)
-def test_a_kvstore_that_applies_the_optimizer_is_an_error(operator_env):
+def test_a_kvstore_that_applies_the_optimizer_is_an_error():
     kwargs = dict(backend='dist_sync', devices=1, sizes=[2, 2], update_on_kvstore=True)
     code, output, elapsed, _ = run_job(2, 'train', kwargs, deadline=60,
-                                       env=dict(operator_env, GLUON_SYNCBN_EXIT_GRACE='4'))
+                                       env=dict(GLUON_SYNCBN_EXIT_GRACE='4'))
     assert code != 0
     assert 'update_on_kvstore=False' in output, output[-3000:]
     assert elapsed < 40, elapsed
 
 
-@pytest.mark.parametrize('backend,launcher,operator_env', BACKEND_OPERATORS)
-def test_killed_worker_stops_the_job_within_the_deadline(backend, launcher, operator_env):
+@pytest.mark.parametrize('backend,launcher', BACKENDS)
+def test_killed_worker_stops_the_job_within_the_deadline(backend, launcher):
     if backend == 'horovod' and HOROVOD:
         pytest.skip(HOROVOD)
     kwargs = dict(backend=backend, devices=1, sizes=[3, 2], fault='kill', timeout=5)
-    code, output, elapsed, _ = run_job(2, 'train', kwargs, backend=launcher, deadline=60,
-                                       env=operator_env)
+    code, output, elapsed, _ = run_job(2, 'train', kwargs, backend=launcher, deadline=60)
     assert code != 0
     assert 'killing myself' in output
     assert re.search(r'job stopped: worker \d \(pid \d+\) failed', output), output[-3000:]
     assert elapsed < 30, elapsed  # far below the 60 s deadline: no hang
 
 
-@pytest.mark.parametrize('backend,launcher,operator_env', BACKEND_OPERATORS)
-def test_stalled_worker_gives_a_timeout_error_then_ends(backend, launcher, operator_env):
+@pytest.mark.parametrize('backend,launcher', BACKENDS)
+def test_stalled_worker_gives_a_timeout_error_then_ends(backend, launcher):
     """A live peer that stops calling: the layer's bounded wait names the problem,
     and the worker ends itself even though MXNet's own waits never return."""
     if backend == 'horovod' and HOROVOD:
         pytest.skip(HOROVOD)
     kwargs = dict(backend=backend, devices=1, sizes=[3, 2], fault='stall', timeout=3)
     code, output, elapsed, _ = run_job(2, 'train', kwargs, backend=launcher, deadline=60,
-                                       env=dict(operator_env, GLUON_SYNCBN_EXIT_GRACE='4'))
+                                       env=dict(GLUON_SYNCBN_EXIT_GRACE='4'))
     assert code != 0
     assert 'worker 0 of 2 waited 3s for the other workers' in output, output[-3000:]
     assert 'job stopped: worker 0' in output, output[-3000:]
     assert elapsed < 40, elapsed
 
 
-@pytest.mark.parametrize('operator_env', OPERATOR_ENVS)
-def test_bad_input_on_one_worker_ends_the_job_with_its_error(operator_env):
+def test_bad_input_on_one_worker_ends_the_job_with_its_error():
     kwargs = dict(backend='dist_sync', devices=2, sizes=[1, 3, 2, 1], fault='bad_input')
-    code, output, elapsed, _ = run_job(2, 'train', kwargs, deadline=60, env=operator_env)
+    code, output, elapsed, _ = run_job(2, 'train', kwargs, deadline=60)
     assert code != 0
     assert 'a SyncBatchNorm step failed on worker 1' in output, output[-3000:]
     assert 'Shape inconsistent' in output
@@ -212,14 +211,6 @@ def test_layer_over_horovod_matches_float64(devices, sizes, sync_groups):
     kwargs = dict(backend='horovod', devices=devices, sizes=sizes, sync_groups=sync_groups)
     code, output, _, results = run_job(2, 'layer', kwargs, backend='horovod')
     assert_exact(code, output, results, 2)
-
-
-def test_layer_over_horovod_through_the_python_operator_matches_float64():
-    if HOROVOD:
-        pytest.skip(HOROVOD)
-    kwargs = dict(backend='horovod', devices=2, sizes=[1, 3, 2, 1])
-    code, output, _, results = run_job(2, 'layer', kwargs, backend='horovod', env=PYTHON)
-    assert_exact(code, output, results, 2, operator='python')
 
 
 @pytest.mark.parametrize('hybridize', [False, True])

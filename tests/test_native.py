@@ -510,3 +510,14 @@ def test_timed_out_exchanges_are_not_kept(operator):
     assert out.returncode == 0, out.stderr[-3000:]
     assert [reported(out, 'STEP%d' % i) for i in range(3)] == ['True'] * 3, out.stdout
     assert reported(out, 'PENDING' if operator == 'async' else 'BARRIER') == '0', out.stdout
+
+
+def test_the_users_build_has_no_test_entry_points():
+    # The tests' counters, stats entry point and loopback transport compile
+    # in only under GLUON_SYNCBN_TESTING=1 (conftest sets it for the suite).
+    out = python("from gluon_syncbn import native\n"
+                 "lib = native.load()\n"
+                 "print('BUILD', lib.testing, hasattr(lib._lib, 'gsbn_test_count'),\n"
+                 "      hasattr(lib._lib, 'gsbn_test_stats'), lib.create_transport('loopback'))\n",
+                 timeout=300, GLUON_SYNCBN_TESTING='0')
+    assert reported(out, 'BUILD') == 'False False False 0', out.stderr[-3000:]
