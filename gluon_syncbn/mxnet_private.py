@@ -4,8 +4,8 @@ Each item names what we rely on and where the code that relies on it lives.
 An MXNet upgrade starts here.
 
 Raw memory
-    * :func:`host_view` (used by ``op.py``) reads and writes the memory of
-      the arrays a custom-operator callback receives. In
+    * :func:`host_view` (used by ``backends/python_op.py``) reads and writes
+      the memory of the arrays a custom-operator callback receives. In
       1.9.1 those are fresh NDArrays over the operator's own default-layout
       buffers (``custom.cc``: ``AllocateNDArrayCopy`` of inputs that
       ``CreateDefaultInputs`` reordered), so waiting on them cannot deadlock,
@@ -24,10 +24,11 @@ Raw memory
     * static_shape graphs register a custom operator's auxiliary states as
       read-only inputs, so running statistics there are updated by engine
       operations on the Parameter's own arrays, read-modify-write in engine
-      order (``op.py`` and ``native/exchange_op.h`` queue_running_update,
-      through ``_mul_scalar`` and ``elemwise_add``); the native operators'
+      order (``backends/python_op.py`` _update_running, through
+      ``_mul_scalar`` and ``elemwise_add``; ``native/exchange_op.h``
+      queue_running_updates, through ``_linalg_gemm``); the native operators'
       states share one engine variable per layer and device
-      (``native/async_op.h`` layer_variable), which orders a layer's calls
+      (``native/sync_call.h`` layer_variable), which orders a layer's calls
       there.
 
 Failures
@@ -51,8 +52,8 @@ Failures
       ``waitall`` walks it. Concurrent appends, or an append that moves the
       list under a search, corrupt it, and ``waitall`` then crashes. The native
       library fails operations one at a time (``fail_operation``) and grows
-      the list once before the first layer's first call
-      (``reserve_engine_errors``). A failed custom operator is completed by
+      the list once when it loads (``reserve_engine_errors``, from
+      ``gsbn_init``), before any operator of ours runs. A failed custom operator is completed by
       MXNet with a new error on that device's worker thread
       (``CustomOperatorWait``), so the native library lets the Python
       operator's failed calls complete one after another: each call's failing
@@ -67,9 +68,9 @@ Failures
       that fails in ``raise`` mode would read as the last SyncBatchNorm
       failure, if there was one.
     * A failed call leaves its exception on the arrays it writes until someone
-      waits on them (``registry.Session.clear_failed_arrays``).
+      waits on them (``session.Session.clear_failed_arrays``).
 
-Class patches (``hooks``)
+Class patches (``hooks``, installed when it is imported: ``hooks.install``)
     ``MXNetError.__init__``, ``autograd._RecordingStateScope.__enter__`` and
     ``__exit__``, ``HybridBlock._call_cached_op``, and an ``atexit`` handler
     that must run before MXNet's own.
@@ -78,7 +79,7 @@ Class patches (``hooks``)
     ``Trainer._init_params`` (the first step's broadcast of every parameter
     from device 0) first drains the engine (``hooks.install_trainer_hook``).
 
-Size-0 arrays (``graph.VectorGraph._empty_slice``, the operators)
+Size-0 arrays (``VectorBackend._empty_slice`` in ``backends/vector_graph.py``, the operators)
     ``reshape`` with -1 divides by zero, reductions give NaN forward and leave
     their gradient outputs unwritten, ``broadcast_add``'s backward segfaults.
 
@@ -86,7 +87,7 @@ NumPy mode (``block``)
     ``as_nd_ndarray()``/``as_np_ndarray()`` are views that keep the autograd
     entry (``MXShallowCopyNDArray``).
 
-AMP (``graph``, :func:`amp_initialized`)
+AMP (``backends/vector_graph.py``, :func:`amp_initialized`)
     ``Custom`` and ``Cast`` are on AMP's float32 lists; ``amp_cast`` widens
     float16/bfloat16 only, and on CPU is MKL-DNN's (refuses float64).
     ``amp.init()`` wraps the operator functions of ``mx.sym`` and ``mx.nd``
@@ -102,15 +103,16 @@ bfloat16 (``dtype_name``)
     ``np.dtype([('bfloat16', np.uint16)])``, whose ``.name`` is ``void16``;
     its operator wrappers take that dtype (and not the string 'bfloat16').
 
-MXNet's C++ registry (``native/mxnet_abi.h``, ``native/async_op.h``)
+MXNet's C++ registry (``native/mxnet_abi.h``, ``async_op.h``, ``exchange_op.h``)
     The asynchronous operator (CPU contexts) and the exchange operator (GPUs)
     are registered from our library into ``dmlc::Registry<nnvm::Op>``, with
     the layouts of the wheel's build (GCC 4.8's ``std::function`` invokers and
-    ``unordered_map``), each checked once per build by ``native/selftest.py``; :func:`operator_functions` makes its
-    Python functions with MXNet's generators (``_make_ndarray_function``,
+    ``unordered_map``), each checked once per build by ``selftest.py``
+    (``python -m gluon_syncbn.selftest``); :func:`operator_functions` makes
+    their Python functions with MXNet's generators (``_make_ndarray_function``,
     ``_make_symbol_function``).
 
-Engine settings (``engine``)
+Engine settings (``cpu_contexts``)
     ``MXNET_CPU_TEMP_COPY`` and ``MXNET_CPU_PARALLEL_RAND_COPY`` are read once,
     at MXNet's first operator; CPU contexts share those pools.
 """
