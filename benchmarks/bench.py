@@ -124,7 +124,7 @@ def worker(cfg):
 def warm_up(steps, least, most, rss, window=10, growth=0.01):
     """Run the steps in turn until resident memory is flat; return how many rounds.
 
-    With many temp-space slots (see gluon_syncbn.engine) MXNet keeps growing a
+    With many temp-space slots (see gluon_syncbn.cpu_contexts) MXNet keeps growing a
     slot's buffer the first times it is handed a larger request: until every
     slot has its buffer, steps pay page faults in proportion to how many
     temp-space operators they run. Steady-state training is what users run for

@@ -113,7 +113,7 @@ def worker(cfg):
 
 
 def _graph_only(channels):
-    """A block running the operators of ``graph.VectorGraph._exchange_graph``
+    """A block running the operators of ``ExchangeBackend._graph`` (backends/native_backends.py)
     with the exchange operator replaced by a slice and a reshape: their host
     cost, for timing only (its output is not normalized)."""
     from mxnet import gluon

@@ -4,7 +4,7 @@ The k-th training call of a layer on each device belongs with the k-th call on
 every other device. :class:`CallOrderBarrier` numbers each device's forward
 calls, gathers one contribution per device for each number, reduces them once
 with the function the caller passes (the last device to arrive does the work;
-for a layer, ``SyncGroup.reduce``: a sum, then the transport) and hands the
+for a layer, ``PythonBackend.reduce``: a sum per sync group) and hands the
 same result to all.
 Backward meetings use the key of the forward call they belong to, so they pair
 correctly even when devices run their backward passes in different orders.

@@ -7,7 +7,7 @@
   centring convolution; we append which layer and the fix.
 * Entering the outermost ``autograd.record()`` (or ``train_mode()``) scope
   begins a training step: calls issued after a failure but before that belong
-  to the failed step (see ``registry.Session``).
+  to the failed step (see ``session.Session``).
 * An exception that leaves ``autograd.record()`` means the step was abandoned
   half-way (say device 2's forward raised in user code): the SyncBatchNorm calls
   already issued for devices 0 and 1 would wait for partners that never come, so

@@ -1,6 +1,6 @@
-"""Run in a subprocess by ``native.load()`` and ``native.exchange_operator()``:
-does the asynchronous operator (``python -m gluon_syncbn.native.selftest
-async``) or the exchange operator (``... exchange``) work with this MXNet
+"""Run in a subprocess by ``native.async_operator()`` and
+``native.exchange_operator()``: does the asynchronous operator (``python -m
+gluon_syncbn.selftest async``) or the exchange operator (``... exchange``) work with this MXNet
 build? Both rely on libmxnet's C++ ABI (see ``mxnet_abi.h``); a build whose
 ABI differs crashes here, not in the user's process. The asynchronous
 operator: one CPU context's forward and backward, imperative and in a static

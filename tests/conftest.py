@@ -86,7 +86,7 @@ def result_of(results, index):
     return result
 
 
-# The backends (see gluon_syncbn/native): the exactness and fault suites run on each.
+# The backends (see gluon_syncbn/backends): the exactness and fault suites run on each.
 BACKEND_VARIABLE = 'GLUON_SYNCBN_BACKEND'
 DEVICE_PATH_VARIABLE = 'GLUON_SYNCBN_DEVICE_PATH'
 # Every code path a layer call can take, named by its backend, and the

@@ -135,8 +135,8 @@ def test_device_path_takes_the_exchange_operator_and_its_fallback(cache_with_lib
 
 def test_room_for_engine_errors_leaves_the_users_errors_alone():
     # Before its first call the library fails and clears thousands of engine
-    # operations to grow MXNet's list of pending errors (operator.h
-    # reserve_engine_errors): the user's own pending error must still be the
+    # operations to grow MXNet's list of pending errors (failures.h
+    # reserve_engine_errors, at load): the user's own pending error must still be the
     # one waitall raises, once, and nothing of ours may surface.
     code = TWO_DEVICE_STEP.replace('bn = gluon_syncbn', (
         "pending = mx.nd.take(mx.nd.zeros((1,)), mx.nd.ones((2,)), mode='raise')\n"

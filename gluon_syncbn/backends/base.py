@@ -31,7 +31,7 @@ def timeout_hint(devices):
 class Backend(object):
     """How one layer's training calls on its devices synchronize.
 
-    Made once per layer and set of devices (``SyncBatchNorm._backend``);
+    Made once per layer and set of devices (``SyncBatchNorm._sync_backend``);
     what never changes between calls is worked out here, so a call does only
     what it needs (:meth:`forward`).
 

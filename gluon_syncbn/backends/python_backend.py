@@ -52,7 +52,7 @@ class ChannelMoments(object):
 
     Every operator here that needs MXNet's temp space (reductions, slice,
     FullyConnected, convolutions, reshapes under MKL-DNN) holds one more shared
-    slot, which sets the deadlock bound (see :mod:`gluon_syncbn.engine`), so
+    slot, which sets the deadlock bound (see :mod:`gluon_syncbn.cpu_contexts`), so
     the fast path uses them only where the data needs them, and for one sum
     of the ones row.
     """

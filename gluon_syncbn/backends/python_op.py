@@ -1,7 +1,7 @@
 """The custom operator that synchronizes one SyncBatchNorm call across devices.
 
 It sees only per-channel vectors: the local moments computed by MXNet's native
-operators (per sample and channel, see ``graph.ChannelMoments``), gamma/beta
+operators (per sample and channel, see ``python_backend.ChannelMoments``), gamma/beta
 and the running statistics. It never touches the activations, so MKL-DNN's
 blocked layouts never reach Python. Reading and
 writing its small arrays are direct copies, and the only operators it issues
@@ -77,7 +77,7 @@ def _read_rows(arr, channels, count, row_sums):
     """The local mean from an array of per-row statistics, shape (rows, C, ...).
 
     The block hands over one value per (sample, channel) row rather than
-    reducing over the samples in the graph (see ``graph.ChannelMoments``):
+    reducing over the samples in the graph (see ``python_backend.ChannelMoments``):
     sums (``row_sums``) or means of rows of equal length; a single row is the
     plain mean over every axis but the channel axis.
     """

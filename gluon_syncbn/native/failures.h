@@ -55,7 +55,7 @@ const int kReservedEngineErrors = 4097;
 // Grows the list by `n` errors: `n` operations fail on fresh arrays, inline
 // on this thread, and their errors are taken at once, which leaves entries
 // that waitall skips and clears. Run before the first layer's first call
-// (registry.Session.prepare_engine).
+// (gsbn_init).
 void reserve_engine_errors(int n) {
   static std::string why = "gluon_syncbn: making room in the engine's list of errors";
   const uint32_t shape[1] = {1};

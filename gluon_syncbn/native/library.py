@@ -121,5 +121,5 @@ class Library(object):
 
     def test_count(self, what, transport=0):
         """Tests' counters (a ``GSBN_TESTING`` build): ``'staging'``,
-        ``'exchanges'`` or ``'queued'``."""
+        ``'meetings'`` or ``'queued'``."""
         return self._lib.gsbn_test_count(what.encode(), transport)

@@ -15,8 +15,9 @@
 //     after NodeAttrs::dict sit 8 bytes earlier in libmxnet. Nodes are made
 //     by libmxnet (NNSymbolCreateAtomicSymbol) and wired through NodeLayout;
 //     NodeAttrs::dict is only iterated (its leading fields agree).
-// native/selftest.py checks these facts in a subprocess before the library
-// registers either operator; where it fails, the Python operator runs.
+// gluon_syncbn/selftest.py checks these facts in a subprocess before the
+// library registers either operator; where it fails, a layer in one process
+// runs the Python operator, and one across processes raises.
 #pragma once
 #include <functional>  // the standard headers MXNet's use, before the #define
 #include <iostream>

@@ -109,7 +109,7 @@ struct Group : std::enable_shared_from_this<Group> {
   std::vector<int64_t> next_call;
   std::map<Key, std::shared_ptr<Meeting>> meetings;
   // static_shape graphs only: each device's running mean and variance arrays
-  // (the Parameter's own NDArrays, kept alive by the Python group).
+  // (the Parameter's own NDArrays, kept alive by the Python backend).
   std::vector<std::vector<NDArrayHandle>> running;
   // Across processes, where a sync group spans workers: the transport, the
   // layer's slot in it (-1 until its first call), and this worker's entries
@@ -178,8 +178,7 @@ std::string in_layer(const std::string& layer, const std::string& message) {
 // cannot cancel a pending reduction. The first one breaks the session for
 // good, and the process ends at interpreter exit (transport.py's atexit
 // hook) or `g_exit_grace` seconds from now, whichever comes first; the
-// launcher then stops the other workers, as transport.py does for the
-// Python operator.
+// launcher then stops the other workers.
 void fatal_locked(const std::string& cause) {
   if (!g_broken.empty()) return;
   g_broken = cause;

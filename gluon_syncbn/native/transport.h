@@ -207,7 +207,7 @@ class StoreLock {
   int64_t queued_ = 0;
 };
 
-const int kKeyBase = 1 << 30;  // transport.py's KEY_BASE: above any Trainer key
+const int kKeyBase = 1 << 30;  // above any key a Trainer uses (0 .. parameters - 1)
 
 // A slot's kvstore key in direction `dir`, as transport.py numbers them.
 int store_key(int slot, int dir) { return kKeyBase + 2 * slot + dir; }
