@@ -124,11 +124,8 @@ def main():
     if args.worker:
         return worker(json.loads(os.environ['BENCH_MP_CFG']))
     run = report.Run('multiprocess', args.out, smoke=args.steps < MIN_STEPS)
-    python = {'GLUON_SYNCBN_BACKEND': 'python'}
     setups = [('local', 2, 'one process, 2 CPU contexts', {}),
               ('dist_sync', 1, "2 workers x 1 context, kvstore 'dist_sync'", {}),
-              ('dist_sync', 1, "2 workers x 1 context, kvstore 'dist_sync', Python operator",
-               python),
               ('horovod', 1, '2 workers x 1 context, Horovod (Gloo)', {}),
               ('horovod', 1, '2 workers x 1 context, Horovod (Gloo), HOROVOD_CYCLE_TIME=0.1',
                {'HOROVOD_CYCLE_TIME': '0.1'})]

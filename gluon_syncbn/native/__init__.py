@@ -12,10 +12,9 @@ is a custom operator, and no thread waits in them:
 
 Both rely on the C++ ABI of the libmxnet.so they were built against
 (``mxnet_abi.h``); a self-test in a subprocess checks each once per build
-(``selftest.py``, its verdict in ``<library>.<part>.selftest``): the
-asynchronous operator at its first use, the exchange operator at the GPU path's first
-use, on two devices and once per GPU driver too. Where one fails, its layers
-run the Python operator, with one warning.
+(``selftest.py``, its verdict in ``<library>.<part>.selftest``): each at
+its first use, the exchange operator on two devices and once per GPU driver
+too. Where one fails, :mod:`gluon_syncbn.backends` decides what runs.
 
 Which layers run which operator is :mod:`gluon_syncbn.backends`' choice;
 this module only builds, self-tests, loads and registers. Every entry
