@@ -118,8 +118,9 @@ class SyncBatchNorm(HybridBlock):
         self._transport = make_transport(kvstore)
         self._sync_groups = check_sync_groups(sync_groups)
         self._sync_backend = None
-        # The parameters' context list the checks passed for (Parameter keeps
-        # one list until it is initialized again), and its device count.
+        # The parameters' context list the checks passed for (a Parameter
+        # keeps one list until it is initialized again), and whether the
+        # layer synchronizes on it.
         self._checked_contexts = None
         self._synchronizes = False
         self._checked_shape = None  # the input shape the last imperative call checked

@@ -57,10 +57,10 @@ class Session(object):
         self._dtypes_lock = threading.Lock()
 
     def load_native(self):
-        """The native library, built, self-tested and loaded at the first
-        layer's first call (not at import), or None where it cannot be had.
+        """The native library, built and loaded at the first layer's first
+        call (not at import), or None where it cannot be had.
 
-        From then on the step token lives there, so both operators share one
+        From then on the step token lives there, so every backend shares one
         step: a native timeout fails the Python calls of the step and the
         other way round. No call has been issued before the first layer's, so
         the token starts afresh.

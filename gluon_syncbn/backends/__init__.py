@@ -28,6 +28,7 @@ from .. import native
 from ..cpu_contexts import in_host_memory
 from ..errors import SyncBatchNormError, warn_user
 from ..session import SESSION
+from ..transport import LocalTransport
 from .native_backends import AsyncBackend, ExchangeBackend
 from .python_backend import PythonBackend
 
@@ -38,8 +39,7 @@ BACKENDS = ('auto', 'async', 'exchange', 'python')
 RENAMED_VARIABLE = 'GLUON_SYNCBN_OPERATOR'  # its values were auto, native and python
 FALLBACK = ('its layers run the Python operator (the same results, about 10-40x the host '
             'cost per call)')
-NATIVE_FIX = ('Install a C++ compiler (g++, or set CXX) and keep the mxnet wheel\'s headers; '
-              'with Horovod, Horovod 0.28.1')
+COMPILER_FIX = 'Install a C++ compiler (g++, or set CXX to one)'
 
 # A backend and why it was chosen (or, with backend None, why none can run).
 Choice = collections.namedtuple('Choice', 'backend reason')
@@ -82,6 +82,11 @@ def _why_not(name, on_cpu, transport):
     return ''
 
 
+def _fix():
+    """' <what to do>.' where the library did not build, else ''."""
+    return ' %s.' % COMPILER_FIX if native.status()['why_not'] else ''
+
+
 def choose(devices, transport, requested=None):
     """The :class:`Choice` for a layer on ``devices`` (context strings) over
     ``transport``; ``backend`` is ``'async'``, ``'exchange'``, ``'python'``
@@ -103,8 +108,8 @@ def choose(devices, transport, requested=None):
             'for %s %s' % ('CPU contexts' if on_cpu else 'GPUs', where)
             if requested == 'auto' else 'as %s=%s asks' % (BACKEND_VARIABLE, requested)))
     if transport.cross_process:
-        return Choice(None, 'across processes the native operators are required, but %s. %s.'
-                      % (why, NATIVE_FIX))
+        return Choice(None, 'across processes the native operators are required, but %s.%s'
+                      % (why, _fix()))
     if requested != 'auto':
         return Choice(None, '%s=%s, but %s. Unset %s to let the library choose (it falls '
                       'back to the Python operator).' % (BACKEND_VARIABLE, requested, why,
@@ -121,8 +126,8 @@ def make_backend(layer, devices, transport):
     if choice.backend == 'python':
         if requested_backend() == 'auto' and choice.reason not in _warned:
             _warned.add(choice.reason)
-            warn_user('gluon_syncbn: %s; %s. %s, or set %s=python to silence this.' % (
-                choice.reason, FALLBACK, NATIVE_FIX, BACKEND_VARIABLE))
+            warn_user('gluon_syncbn: %s; %s.%s Set %s=python to silence this.' % (
+                choice.reason, FALLBACK, _fix(), BACKEND_VARIABLE))
         backend = PythonBackend(layer, devices, transport)
     else:
         cls, functions = ((AsyncBackend, native.async_operator()) if choice.backend == 'async'
@@ -133,25 +138,25 @@ def make_backend(layer, devices, transport):
     return backend
 
 
+class _AnyRemote(object):
+    """A cross-process transport with a native twin (the report says which
+    engines have one)."""
+    cross_process = True
+
+    @staticmethod
+    def why_not_native():
+        return ''
+
+
 def explain():
     """``{question: Choice}`` for a layer on CPU contexts, on GPUs and across
     processes here (``python -m gluon_syncbn``)."""
-    class _Remote(object):
-        cross_process = True
-
-        @staticmethod
-        def why_not_native():
-            return ''
-    requested = requested_backend()
+    requested, local, remote = requested_backend(), LocalTransport(), _AnyRemote()
     return collections.OrderedDict([
-        ('CPU contexts', choose(['cpu(0)', 'cpu(1)'], _Local, requested)),
-        ('GPUs', choose(['gpu(0)', 'gpu(1)'], _Local, requested)),
-        ('across processes (CPU contexts)', choose(['cpu(0)'], _Remote, requested)),
-        ('across processes (GPUs)', choose(['gpu(0)'], _Remote, requested))])
-
-
-class _Local(object):
-    cross_process = False
+        ('CPU contexts', choose(['cpu(0)', 'cpu(1)'], local, requested)),
+        ('GPUs', choose(['gpu(0)', 'gpu(1)'], local, requested)),
+        ('across processes (CPU contexts)', choose(['cpu(0)'], remote, requested)),
+        ('across processes (GPUs)', choose(['gpu(0)'], remote, requested))])
 
 
 # A bad GLUON_SYNCBN_BACKEND is an error at import, not at the first call.
