@@ -61,11 +61,12 @@ def requested_backend():
     return value
 
 
-def _why_not(name, on_cpu, transport):
+def _why_not(name, devices, on_cpu, transport):
     """'' if operator ``name`` (``'async'`` or ``'exchange'``) can run a
-    layer on these devices over ``transport`` here, else why not."""
+    layer on ``devices`` over ``transport`` here, else why not."""
     if name == 'async' and not on_cpu:
-        return 'the asynchronous operator runs on CPU contexts only'
+        return ('the asynchronous operator runs on CPU contexts only, and this layer runs on '
+                '%s' % ', '.join(devices))
     if native.load() is None:
         return 'the native library is not available: %s' % native.status()['why_not']
     functions = native.async_operator() if name == 'async' else native.exchange_operator()
@@ -101,7 +102,7 @@ def choose(devices, transport, requested=None):
                                 'required. Unset %s.' % (BACKEND_VARIABLE, BACKEND_VARIABLE))
         return Choice('python', '%s=python' % BACKEND_VARIABLE)
     name = requested if requested != 'auto' else ('async' if on_cpu else 'exchange')
-    why = _why_not(name, on_cpu, transport)
+    why = _why_not(name, devices, on_cpu, transport)
     if not why:
         return Choice(name, 'the %s operator, native and self-tested, %s' % (
             'asynchronous' if name == 'async' else 'exchange',
