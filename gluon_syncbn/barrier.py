@@ -30,23 +30,7 @@ import time
 from . import messages
 from .errors import SyncBatchNormError, SyncBatchNormTimeout, in_layer, record_failure
 
-__all__ = ['CallOrderBarrier', 'LocalSession']
-
-
-class LocalSession(object):
-    """A session for a barrier used on its own: one token, never aborted."""
-
-    def token(self):
-        return 0
-
-    def check(self, token, layer):
-        pass
-
-    def abort(self, cause):
-        pass
-
-    def fail_others(self, cause):
-        pass
+__all__ = ['CallOrderBarrier']
 
 
 class _Meeting(object):
@@ -71,23 +55,23 @@ class CallOrderBarrier(object):
         Names of the participating devices; ``device`` arguments index this list.
     timeout : float
         Seconds a device waits for the others before giving up.
-    hint : str, optional
-        Advice appended to the timeout message.
-    session : object, optional
+    session : object
         Shared by all barriers of a process (see
         :class:`gluon_syncbn.session.Session`): ``token()``, ``check(token)``
         (raises for a token that is no longer current), ``abort(error)`` (called
         with this barrier's lock held, before any waiter wakes) and
         ``fail_others(error)`` (called after the lock is released).
+    hint : str, optional
+        Advice appended to the timeout message.
     """
 
-    def __init__(self, name, devices, timeout, hint='', session=None):
+    def __init__(self, name, devices, timeout, session, hint=''):
         self.name = name
         self.devices = list(devices)
         self.num_devices = len(self.devices)
         self.timeout = float(timeout)
         self.hint = hint
-        self.session = session or LocalSession()
+        self.session = session
         self._cond = threading.Condition()
         self._meetings = {}
         self._counter_token = None

@@ -9,9 +9,25 @@ from gluon_syncbn.errors import SyncBatchNormError, SyncBatchNormTimeout
 from gluon_syncbn.session import OPEN_CALLS, Session
 
 
+class LocalSession(object):
+    """A session for a barrier used on its own: one token, never aborted."""
+
+    def token(self):
+        return 0
+
+    def check(self, token, layer):
+        pass
+
+    def abort(self, cause):
+        pass
+
+    def fail_others(self, cause):
+        pass
+
+
 def summing_barrier(n, timeout=5.0, session=None):
-    return CallOrderBarrier('bn', ['dev%d' % i for i in range(n)], timeout, hint='HINT',
-                            session=session)
+    return CallOrderBarrier('bn', ['dev%d' % i for i in range(n)], timeout,
+                            session or LocalSession(), hint='HINT')
 
 
 def add_up(key, values):
@@ -88,7 +104,7 @@ def test_timeout_names_the_missing_device_and_fails_in_time():
 def test_reduce_error_reaches_every_device():
     def reduce(key, values):
         raise SyncBatchNormError('channels disagree')
-    barrier = CallOrderBarrier('bn', ['a', 'b'], 5.0)
+    barrier = CallOrderBarrier('bn', ['a', 'b'], 5.0, LocalSession())
     out = run_devices([lambda i=i: barrier.meet(barrier.next_forward_key(i), i, 1, reduce)
                        for i in range(2)])
     assert all(isinstance(e, SyncBatchNormError) and 'disagree' in str(e) for e in out)

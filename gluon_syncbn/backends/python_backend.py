@@ -98,8 +98,8 @@ class PythonBackend(VectorBackend):
         # MKL-DNN runs the moments and the affine (float32 on CPU contexts).
         self._fast_ops = (mkldnn_active() and self.host_memory and
                           os.environ.get('GLUON_SYNCBN_CONV_NORMALIZE', '1') != '0')
-        self.barrier = CallOrderBarrier(self.layer_name, self.devices, self.timeout,
-                                        hint=self.hint, session=SESSION)
+        self.barrier = CallOrderBarrier(self.layer_name, self.devices, self.timeout, SESSION,
+                                        hint=self.hint)
         self.handle = python_op.register(self)
 
     def fail_pending(self, cause):
