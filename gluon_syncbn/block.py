@@ -271,7 +271,7 @@ class SyncBatchNorm(HybridBlock):
         if imperative:
             dtype = dtype_name(x.dtype)
             SESSION.clear_failed_arrays()
-            SESSION.check_dtypes(self, "'%s'" % self.name, len(contexts), str(x.context), dtype)
+            SESSION.check_dtypes(self, None, len(contexts), x.context, dtype)
         else:
             dtype = self._input_dtype
         return backend.forward(F, x, gamma, beta, running_mean, running_var, dtype,

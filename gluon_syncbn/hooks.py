@@ -192,7 +192,7 @@ def install_cached_op_hook(hybrid_block_class, session, is_training):
                 self._gluon_syncbn_layers = (self._cached_op, layers)
         if layers:
             names, num_devices = layers
-            session.check_dtypes(self, names, num_devices, str(args[0].context),
+            session.check_dtypes(self, names, num_devices, args[0].context,
                                  dtype_name(args[0].dtype))
             if any(getattr(a, 'size', 1) == 0 for a in args):
                 # An empty slice: cached graphs divide by zero on size-0 input

@@ -97,7 +97,8 @@ class Session(object):
 
     def check_dtypes(self, owner, name, num_devices, device, dtype):
         """Raise if the call of ``owner`` (a layer, or a hybridized block
-        holding layers, named ``name``) issued now on ``device`` has another
+        holding layers, named ``name``; None: the layer's own name) issued now
+        on ``device`` (a Context or its name) has another
         dtype than the same call on the other devices: the k-th call of each
         of the ``num_devices`` devices since the step token last changed, as
         the operators pair them. Checked when a call is issued: found later,
@@ -125,8 +126,8 @@ class Session(object):
             if len(set(seen.values())) <= 1:
                 return
         exc = SyncBatchNormError(messages.text(
-            'dtypes_disagree', layers=name,
-            dtypes=', '.join('%s: %s' % (d, t) for d, t in sorted(seen.items()))))
+            'dtypes_disagree', layers=name or "'%s'" % owner.name,
+            dtypes=', '.join('%s: %s' % (d, t) for d, t in sorted(seen.items(), key=str))))
         self.fail_step(exc)
         raise exc
 

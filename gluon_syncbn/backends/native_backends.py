@@ -43,9 +43,11 @@ def native_group(backend, lib):
 
 
 def _arguments(backend, handle):
+    """The operator's arguments that never change, as the strings MXNet
+    would make of them at every call."""
     kwargs = backend.kwargs
-    return dict(group=handle, eps=kwargs['eps'], momentum=kwargs['momentum'],
-                fix_gamma=kwargs['fix_gamma'], axis=kwargs['axis'], name='sync')
+    return dict(group=str(handle), eps=str(kwargs['eps']), momentum=str(kwargs['momentum']),
+                fix_gamma=str(kwargs['fix_gamma']), axis=str(kwargs['axis']), name='sync')
 
 
 class AsyncBackend(Backend):
