@@ -8,12 +8,17 @@ Importing it changes nothing for code that does not synchronize: the
 modules' import-time work is only what they need before MXNet runs (see
 ``cuda_libs``, ``cpu_contexts``, ``hooks``).
 """
-from . import cuda_libs as _cuda_libs  # first: it must run before mxnet is imported
-from .cpu_contexts import configure_cpu_contexts
-from .errors import SyncBatchNormError, SyncBatchNormTimeout
-from .block import SyncBatchNorm
-from .convert import convert_model, revert_model
-from .session import reset
+from .cuda_libs import preload as _preload_cuda_libraries
+
+# First, before anything imports mxnet: its GPU build then finds the CUDA
+# runtime wheels' libraries (nothing happens with the CPU build).
+_preload_cuda_libraries()
+
+from .cpu_contexts import configure_cpu_contexts  # noqa: E402
+from .errors import SyncBatchNormError, SyncBatchNormTimeout  # noqa: E402
+from .block import SyncBatchNorm  # noqa: E402
+from .convert import convert_model, revert_model  # noqa: E402
+from .session import reset  # noqa: E402
 
 __version__ = '0.1.0'
 __all__ = ['SyncBatchNorm', 'SyncBatchNormError', 'SyncBatchNormTimeout',

@@ -234,9 +234,3 @@ def preload(library=None, search=None):
         _load(DRIVER, None, library)
         loaded.append(DRIVER)
     return loaded
-
-
-# At import, which gluon_syncbn does first: before anything imports mxnet, so
-# that its GPU build finds the CUDA runtime wheels' libraries (nothing
-# happens with the CPU build).
-preload()

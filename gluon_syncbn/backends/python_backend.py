@@ -115,7 +115,7 @@ class PythonBackend(VectorBackend):
                 devices=', '.join(self.devices)))
 
     def reduce(self, key, values):
-        """The exchange ``key`` (see :mod:`.python_op`): check that the
+        """The meeting ``key`` (see :mod:`.python_op`): check that the
         devices agree, then sum their float64 vectors per sync group in
         device order. Returns one row per sync group."""
         sizes = {i: v[0].size for i, v in values.items()}
