@@ -14,10 +14,11 @@ Both rely on the C++ ABI of the libmxnet.so they were built against
 (``mxnet_abi.h``); a self-test in a subprocess checks each once per build
 (``selftest.py``, its verdict in ``<library>.<part>.selftest``): each at
 its first use, the exchange operator on two devices and once per GPU driver
-too. Where one fails, :mod:`gluon_syncbn.backends` decides what runs.
+too.
 
-Which layers run which operator is :mod:`gluon_syncbn.backends`' choice;
-this module only builds, self-tests, loads and registers. Every entry
+Which layers run which operator, also where a self-test failed, is
+:mod:`gluon_syncbn.backends`' choice; this module only builds, self-tests,
+loads and registers. Every entry
 point is called through :mod:`.library`.
 
 The library is compiled with ``$CXX`` (default ``g++``) against the headers
