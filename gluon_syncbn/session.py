@@ -168,7 +168,8 @@ class Session(object):
             backend.fail_pending(cause)
 
     def clear_failed_arrays(self):
-        """After an aborted step, clear the errors MXNet left on the layers' arrays.
+        """At the first call of a step that began after an abort, clear the
+        errors MXNet left on the layers' arrays.
 
         A failed call leaves its exception on the arrays it writes (running
         statistics, gamma/beta gradients), and every later operator touching
@@ -176,23 +177,29 @@ class Session(object):
         its error, and with it that of every array the same failed operator
         poisoned: MXNet shares one error object among them
         (``threaded_engine.cc``, ``OnComplete``, ``ThrowException``), so the
-        static arrays of cached graphs are clean too. Called on the main thread
-        before a network's calls are issued (by the block, and for cached
-        graphs by hooks); the aborted calls finish at once, so the wait is short.
+        static arrays of cached graphs are clean too. Called before a
+        network's calls are issued (by the block, and for cached graphs by
+        hooks); the aborted calls finish at once, so the wait is short.
+
+        Not while the failed step's own calls are still being issued (an
+        abort in the engine comes mid-step): they must find its errors, so
+        that MXNet skips them and every output of the step raises. Cleared
+        under them, they would run, read back without an error, and leave
+        errors of their own for the next step.
         """
-        token = self.token()
-        if token == self._cleared_token:
+        step = self._issue_token
+        if step == self._cleared_token:
             return
         # Threads calling for each device at once: one clears, and the others
         # wait until it is done. Were they to go on, the clearing thread could
         # wait on a running statistic written by their calls, which wait for
         # its device's call.
         with self._clear_lock:
-            if token == self._cleared_token:
+            if step == self._cleared_token:
                 return
             for backend in self._live_backends():
                 backend.clear_failed_state()
-            self._cleared_token = token
+            self._cleared_token = step
 
     def fail_step(self, cause=None, exiting=False):
         """The current step failed with ``cause`` (default: ``gluon_syncbn.reset()``

@@ -762,33 +762,40 @@ def user_code_raises(num_devices=3, hybridize=False, timeout_seconds=60.0, seed=
 
 
 @scenario
-def abandoned_steps(num_devices=4, steps=10, hybridize=False, seed=0):
-    """Steps abandoned after all devices but the last were issued, so their
-    calls fail together; each device's output is then read on its own, the
-    main thread running ahead. Every one must raise, naming the layer."""
+def abandoned_steps(num_devices=4, steps=10, hybridize=False, seed=0, cause='user_code'):
+    """Steps that fail with every device's calls issued or in flight, each
+    device's output then read on its own, the main thread running ahead.
+    Every one must raise, naming the layer. ``cause``: ``'user_code'``, an
+    exception in user code after all devices but the last were issued (the
+    step fails in Python, at once); ``'empty_batch'``, every slice empty (it
+    fails in the first layer's meeting, in the engine, while the main thread
+    still issues the second layer's calls)."""
     rng = np.random.RandomState(seed)
     ctxs = contexts(num_devices)
     shape = (num_devices, 3, 4, 4)
-    net = _fault_net(ctxs, hybridize, 60.0)
-    arrays = [mx.nd.array(rng.randn(1, 3, 4, 4), ctx=c) for c in ctxs]
-    outputs, messages = 0, []
-    for _ in range(steps):
-        outs = []
-        try:
-            with autograd.record():
-                for a in arrays:
-                    if a.context == ctxs[-1]:
-                        raise ValueError('user code failed on the last device')
-                    outs.append(net(a))
-        except ValueError:
-            pass
-        outputs += len(outs)
-        messages += [_capture(o.wait_to_read)[0] for o in outs]
-        _capture(mx.nd.waitall)
-    return {'outputs': outputs, 'raised': sum(m is not None for m in messages),
-            'named': sum(m is not None and "SyncBatchNorm 'syncbatchnorm" in m
-                         for m in messages),
-            'recovered': _recovery_error(net, ctxs, rng, shape)}
+    with mx.util.np_shape(cause == 'empty_batch'):
+        net = _fault_net(ctxs, hybridize, 60.0)
+        samples = 0 if cause == 'empty_batch' else 1
+        arrays = [mx.nd.array(rng.randn(samples, 3, 4, 4), ctx=c) for c in ctxs]
+        outputs, messages = 0, []
+        for _ in range(steps):
+            outs = []
+            try:
+                with autograd.record():
+                    for a in arrays:
+                        if cause == 'user_code' and a.context == ctxs[-1]:
+                            raise ValueError('user code failed on the last device')
+                        outs.append(net(a))
+                autograd.backward(outs)
+            except ValueError:
+                pass
+            outputs += len(outs)
+            messages += [_capture(o.wait_to_read)[0] for o in outs]
+            _capture(mx.nd.waitall)
+        return {'outputs': outputs, 'raised': sum(m is not None for m in messages),
+                'named': sum(m is not None and "SyncBatchNorm 'syncbatchnorm" in m
+                             for m in messages),
+                'recovered': _recovery_error(net, ctxs, rng, shape)}
 
 
 @scenario
