@@ -12,8 +12,8 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The native library with the tests' entry points and loopback transport
-# (GSBN_TESTING), here and in every subprocess.
-os.environ['GLUON_SYNCBN_TESTING'] = '1'
+# (tests/native_testing.h), here and in every subprocess.
+os.environ['GLUON_SYNCBN_TESTING'] = os.path.join(ROOT, 'tests', 'native_testing.h')
 
 
 class ScenarioFailed(AssertionError):

@@ -1,8 +1,8 @@
 """Cross-process transports inside one process, for tests.
 
 :class:`LoopbackTransport` plays ``workers`` workers of which the others send
-what ``mode`` says (its native twin, ``native/transport.h``, in the tests'
-build of the library):
+what ``mode`` says (its native twin, ``tests/native_testing.h``, in the
+tests' build of the library):
 
 ``same``   the others send this worker's payload: the global batch is this
            process's batch ``workers`` times, whose statistics are the local
@@ -18,6 +18,7 @@ one-process scenarios run through a cross-process transport. A failure there
 is fatal, as in a real job: such processes end after it.
 """
 from gluon_syncbn import block, transport
+from tests import native_testing
 
 
 class LoopbackTransport(transport._CrossProcessTransport):
@@ -28,9 +29,7 @@ class LoopbackTransport(transport._CrossProcessTransport):
         super(LoopbackTransport, self).__init__()
 
     def _make_native(self, lib):
-        # Only in the tests' build of the library (GLUON_SYNCBN_TESTING=1).
-        return lib.create_transport('loopback', workers=self.num_workers, name=self.mode,
-                                    exit_grace=self.exit_grace)
+        return native_testing.loopback(lib, self.num_workers, self.mode, self.exit_grace)
 
 
 def install(kind, **kwargs):

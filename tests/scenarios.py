@@ -28,6 +28,7 @@ if os.environ.get('SCENARIO_TRANSPORT'):  # 'loopback:MODE' or 'kvstore': see te
     install(_kind, **({'mode': _mode} if _mode else {}))
 
 from gluon_syncbn import SyncBatchNorm
+from tests import native_testing
 from tests.reference import (WorstErrors, batchnorm_float64, grouped_batchnorm_float64,
                              max_rel_err, worst)
 
@@ -1087,8 +1088,8 @@ def store_shared_with_trainer(steps=4, sizes=(3, 5), hybridize=False, seed=0):
         errs.note('running_mean', net.bn.running_mean.data(c).asnumpy(), run_mean)
         errs.note('running_var', net.bn.running_var.data(c).asnumpy(), run_var)
     errs['operator'] = net.bn._sync_backend.name
-    errs['queued'] = transport.native and gluon_syncbn.session.SESSION.native.test_count(
-        'queued', transport.native)
+    errs['queued'] = transport.native and native_testing.count(
+        gluon_syncbn.session.SESSION.native, 'queued', transport.native)
     return errs
 
 

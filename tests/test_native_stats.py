@@ -1,7 +1,7 @@
 """native/stats.h against gluon_syncbn/stats.py on the same inputs.
 
-The tests' build of the library (``GLUON_SYNCBN_TESTING=1``, see conftest,
-which adds ``gsbn_test_stats``) is loaded and called through ctypes: no
+The tests' build of the library (``GLUON_SYNCBN_TESTING``, see conftest,
+which adds ``gsbn_test_stats``: ``tests/native_testing.h``) is loaded and called through ctypes: no
 MXNet operator runs. Every result is
 compared exactly, except the two that go through ``inv_std ** 3``
 (``local_moment_grads``: NumPy's power and libm's pow may round differently),
@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from gluon_syncbn import native, stats
+from tests import native_testing
 
 C = 7
 EXACT = ('forward', 'n', 'mean', 'var', 'scale', 'shift', 'contribution', 'd_gamma')
@@ -24,13 +25,8 @@ SIZES = {'forward': 1 + 2 * C, 'n': 1, 'mean': C, 'var': C, 'scale': C, 'shift':
 @pytest.fixture(scope='module')
 def lib():
     loaded = native.load()
-    assert loaded is not None and loaded.testing, native.status()
-    lib = ctypes.CDLL(loaded.path)
-    doubles = ctypes.POINTER(ctypes.c_double)
-    lib.gsbn_test_stats.argtypes = ([ctypes.c_int, ctypes.c_double] + [doubles] * 6 +
-                                    [ctypes.c_double, ctypes.c_int] + [doubles] * 4)
-    lib.gsbn_test_stats.restype = None
-    return lib
+    assert loaded is not None, native.status()
+    return native_testing.entry_points(loaded)
 
 
 def native_stats(lib, count, m1, m2, v, total, gamma, beta, eps, fix_gamma, d_scale, d_shift,

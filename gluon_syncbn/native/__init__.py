@@ -46,7 +46,8 @@ ASYNC_OP = '_gluon_syncbn_sync'
 EXCHANGE_OP = '_gluon_syncbn_exchange'
 CACHE_VARIABLE = 'GLUON_SYNCBN_CACHE'
 SELFTEST_VARIABLE = 'GLUON_SYNCBN_SELFTEST'  # set in the self-test's own process
-# '1': build with the tests' entry points and loopback transport (GSBN_TESTING).
+# The path of a C++ file of the tests' entry points (tests/native_testing.h),
+# compiled into a build of its own; unset, empty or '0' in users' builds.
 TESTING_VARIABLE = 'GLUON_SYNCBN_TESTING'
 SOURCE_DIR = os.path.dirname(os.path.abspath(__file__))
 SOURCE = os.path.join(SOURCE_DIR, 'syncbn.cc')  # includes the .h files beside it
@@ -110,8 +111,14 @@ def mxnet_identity(mx_dir):
     return '%s\0%d\0%d' % (library, info.st_size, info.st_mtime_ns)
 
 
+def _testing_source():
+    source = os.environ.get(TESTING_VARIABLE, '')
+    return os.path.abspath(source) if source not in ('', '0') else None
+
+
 def _flags():
-    return FLAGS + (['-DGSBN_TESTING=1'] if os.environ.get(TESTING_VARIABLE) == '1' else [])
+    source = _testing_source()
+    return FLAGS + (['-DGSBN_TESTING="%s"' % source] if source else [])
 
 
 def library_path():
@@ -119,10 +126,11 @@ def library_path():
     mx_dir, version = _mxnet_dir()
     digest = hashlib.sha256(' '.join(_flags()).encode())
     digest.update(b'\0' + mxnet_identity(mx_dir).encode() + b'\0')
-    for name in sorted(os.listdir(SOURCE_DIR)):
-        if name.endswith(('.cc', '.h')):
-            with open(os.path.join(SOURCE_DIR, name), 'rb') as f:
-                digest.update(name.encode() + b'\0' + f.read())
+    sources = [os.path.join(SOURCE_DIR, name) for name in sorted(os.listdir(SOURCE_DIR))
+               if name.endswith(('.cc', '.h'))] + [_testing_source() or '']
+    for source in filter(None, sources):
+        with open(source, 'rb') as f:
+            digest.update(os.path.basename(source).encode() + b'\0' + f.read())
     digest = digest.hexdigest()[:16]
     cache = os.environ.get(CACHE_VARIABLE) or os.path.join(
         os.environ.get('XDG_CACHE_HOME') or os.path.join(os.path.expanduser('~'), '.cache'),
@@ -183,7 +191,7 @@ def _load_locked():
         path = library_path()
         if not os.path.exists(path):
             build(path)
-        lib = Library(path, testing=os.environ.get(TESTING_VARIABLE) == '1')
+        lib = Library(path, testing=_testing_source() is not None)
         lib.init(messages.TEMPLATES)
         _state['path'] = path
         _state['lib'] = lib

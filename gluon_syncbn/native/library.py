@@ -20,7 +20,8 @@ class Library(object):
     path : str
         The built library.
     testing : bool
-        It was built with the tests' entry points (``GSBN_TESTING``).
+        It was built with the tests' entry points (``GSBN_TESTING``; the
+        tests declare them: ``tests/native_testing.py``).
     """
 
     def __init__(self, path, testing=False):
@@ -43,8 +44,7 @@ class Library(object):
                 ('gsbn_transport_create', [c.c_char_p, c.c_void_p, c.c_int, c.c_int, c.c_int,
                                            c.c_char_p, c.c_double], c.c_int),
                 ('gsbn_transport_close', [c.c_int, c.c_char_p], None),
-                ('gsbn_store_lock', [c.c_int, c.c_int], None)] + ([
-                ('gsbn_test_count', [c.c_char_p, c.c_int], c.c_int64)] if testing else []):
+                ('gsbn_store_lock', [c.c_int, c.c_int], None)]:
             function = getattr(lib, name)
             function.argtypes, function.restype = argtypes, restype
 
@@ -118,8 +118,3 @@ class Library(object):
 
     def store_lock(self, transport, acquire):
         self._lib.gsbn_store_lock(transport, int(acquire))
-
-    def test_count(self, what, transport=0):
-        """Tests' counters (a ``GSBN_TESTING`` build): ``'staging'``,
-        ``'meetings'`` or ``'queued'``."""
-        return self._lib.gsbn_test_count(what.encode(), transport)

@@ -167,10 +167,9 @@ int gsbn_fail_python_call(NDArrayHandle hold, NDArrayHandle probe, const char* m
 }
 
 // A cross-process transport (transport.h), returning its id: "kvstore"
-// (`target`: the KVStore handle), "horovod" (`target`: Horovod 0.28's
-// horovod_mxnet_allreduce_async, `sum_op` its Sum) or, in test builds,
-// "loopback" (`name`: its mode). `exit_grace`: how long the process may
-// live on after a fatal failure (fatal_locked).
+// (`target`: the KVStore handle) or "horovod" (`target`: Horovod 0.28's
+// horovod_mxnet_allreduce_async, `sum_op` its Sum). `exit_grace`: how long
+// the process may live on after a fatal failure (fatal_locked).
 int gsbn_transport_create(const char* kind, void* target, int sum_op, int rank, int workers,
                           const char* name, double exit_grace) {
   const std::string which = kind;
@@ -178,9 +177,6 @@ int gsbn_transport_create(const char* kind, void* target, int sum_op, int rank, 
   if (which == "kvstore") t = std::make_shared<KVStoreTransport>(target, rank, workers, name);
   if (which == "horovod")
     t = std::make_shared<HorovodTransport>(target, sum_op, rank, workers);
-#ifdef GSBN_TESTING
-  if (which == "loopback") t = std::make_shared<LoopbackTransport>(workers, name);
-#endif
   if (!t) return 0;
   g_exit_grace = exit_grace;
   return add_transport(std::move(t));
@@ -201,58 +197,9 @@ void gsbn_store_lock(int transport, int acquire) {
   else if (t) t->lock.release();
 }
 
-#ifdef GSBN_TESTING
-// Counters for tests: (layer, device) pairs holding exchange staging
-// ("staging"), meetings the session holds ("meetings"), reductions engine
-// threads left to the holder of `transport`'s store lock ("queued").
-int64_t gsbn_test_count(const char* what, int transport) {
-  const std::string which = what;
-  if (which == "staging") return static_cast<int64_t>(staging_layers());
-  if (which == "queued") {
-    auto t = find_kvstore(transport);
-    return t ? t->lock.queued() : -1;
-  }
-  std::lock_guard<std::mutex> lock(g_mutex);
-  int64_t n = 0;
-  for (auto& g : live_groups_locked()) n += static_cast<int64_t>(g->meetings.size());
-  return n;
-}
-#endif  // GSBN_TESTING
-
 }  // extern "C"
 
 #ifdef GSBN_TESTING
-// stats.h on the given per-channel inputs of C channels (tests/test_native_stats.py):
-// forward_contribution(count, m1, m2, v), merge(total), then with its
-// statistics normalize_coefficients, backward_contribution(d_scale, d_shift)
-// and local_moment_grads(backward_total). `out` gets their results one after
-// another: 1 + 2C, 1 + 2C (n, mean, var), 2C (scale, shift), 3C
-// (contribution, d gamma), 2C (d m2, d v).
-extern "C" void gsbn_test_stats(int C, double count, const double* m1, const double* m2,
-                                const double* v, const double* total, const double* gamma,
-                                const double* beta, double eps, int fix_gamma,
-                                const double* d_scale, const double* d_shift,
-                                const double* backward_total, double* out) {
-  auto vec = [](const double* a, int n) { return std::vector<double>(a, a + n); };
-  auto emit = [&out](const std::vector<double>& a) { out = std::copy(a.begin(), a.end(), out); };
-  Params p;
-  p.eps = eps;
-  p.fix_gamma = fix_gamma != 0;
-  const std::vector<double> centre = vec(m1, C);
-  emit(forward_contribution(count, centre, vec(m2, C), vec(v, C)));
-  const Info stats = merge(vec(total, 1 + 2 * C));
-  emit({stats.n});
-  emit(stats.mean);
-  emit(stats.var);
-  std::vector<double> scale, shift, g = vec(gamma, C), ds = vec(d_scale, C),
-                      dsh = vec(d_shift, C), inv_stds, d_gamma, d_m2, d_v;
-  normalize_coefficients(p, stats, centre, g, vec(beta, C), &scale, &shift);
-  emit(scale);
-  emit(shift);
-  emit(backward_contribution(p, stats, centre, count, &g, &ds, &dsh, &inv_stds, &d_gamma));
-  emit(d_gamma);
-  local_moment_grads(vec(backward_total, 2 * C), count, stats, centre, g, inv_stds, &d_m2, &d_v);
-  emit(d_m2);
-  emit(d_v);
-}
+// The tests' entry points (the suite names the file: tests/native_testing.h).
+#include GSBN_TESTING
 #endif

@@ -64,7 +64,7 @@ void delete_reduction(void* param) { delete static_cast<Reduction*>(param); }
 // -------------------------------------------------------------- transport --
 class Transport {
  public:
-  std::string name;  // for messages: "kvstore 'dist_sync'", "horovod", "loopback"
+  std::string name;  // for messages: "kvstore 'dist_sync'", "horovod"
   int rank = 0, workers = 1;
 
   virtual ~Transport() {}
@@ -302,59 +302,6 @@ class HorovodTransport : public Transport {
   HorovodAllreduce allreduce_;
   int sum_op_;
 };
-
-#ifdef GSBN_TESTING  // tests only: see gluon_syncbn/native/__init__.py, TESTING_VARIABLE
-// --------------------------------------------------------------- loopback --
-// For tests: `workers` workers of which the others send what `mode` says, as
-// an engine operation on the buffer like a real engine's:
-//   "same"     the others send this worker's payload (sum = workers x payload)
-//   "call"     ... with the call number one ahead (workers out of step)
-//   "scale"    the sum comes back scaled by 0.45 (an optimizer on the server)
-//   "never"    the reduction never completes
-//   "fail"     the reduction fails on the buffer (as Horovod reports errors)
-class LoopbackTransport : public Transport {
- public:
-  LoopbackTransport(int workers_, const std::string& mode) : mode_(mode) {
-    workers = workers_;
-    name = "loopback";
-    read_property_ = kNoSkip;
-  }
-
- protected:
-  struct Job {
-    LoopbackTransport* self;
-    Buffer buffer;
-  };
-  static void run(void*, void* on_complete, void* param) {
-    auto* job = static_cast<Job*>(param);
-    double* v = job->buffer.data;
-    const size_t size = job->buffer.size;
-    const std::string& mode = job->self->mode_;
-    const auto& complete = *static_cast<mxnet::engine::CallbackOnComplete*>(on_complete);
-    if (mode == "fail") return fail_operation(complete, "loopback: the reduction failed");
-    const double w = job->self->workers;
-    for (size_t i = 0; i < size; ++i) v[i] *= w;
-    if (mode == "call") v[1] += 1;
-    if (mode == "scale")
-      for (size_t i = 0; i < size; ++i) v[i] *= 0.45;
-    complete();
-  }
-  static void delete_job(void* param) { delete static_cast<Job*>(param); }
-
-  void reduce(int, int, const Buffer& buffer, std::function<void()> then,
-              std::function<void(const std::string&)> failed) override {
-    if (mode_ == "never") return;
-    NDArrayHandle array = buffer.array;
-    if (MXEnginePushAsyncND(run, new Job{this, buffer}, delete_job, kCPU0, nullptr, 0, &array,
-                            1, nullptr, 0, "gluon_syncbn_loopback", false) != 0)
-      return failed(last_mxnet_error());
-    then();
-  }
-
- private:
-  std::string mode_;
-};
-#endif  // GSBN_TESTING
 
 // ------------------------------------------------------------- registry --
 // Transports by id, for Python; never destroyed (engine operations and the

@@ -1,0 +1,118 @@
+// The tests' entry points, compiled into the library only for the suite:
+// tests/conftest.py sets GLUON_SYNCBN_TESTING to this file's path, and the
+// build includes it at the end of syncbn.cc (-DGSBN_TESTING, see
+// gluon_syncbn/native/__init__.py). Declared for Python in
+// tests/native_testing.py.
+
+namespace {
+
+// For tests: `workers` workers of which the others send what `mode` says, as
+// an engine operation on the buffer like a real engine's:
+//   "same"     the others send this worker's payload (sum = workers x payload)
+//   "call"     ... with the call number one ahead (workers out of step)
+//   "scale"    the sum comes back scaled by 0.45 (an optimizer on the server)
+//   "never"    the reduction never completes
+//   "fail"     the reduction fails on the buffer (as Horovod reports errors)
+class LoopbackTransport : public Transport {
+ public:
+  LoopbackTransport(int workers_, const std::string& mode) : mode_(mode) {
+    workers = workers_;
+    name = "loopback";
+    read_property_ = kNoSkip;
+  }
+
+ protected:
+  struct Job {
+    LoopbackTransport* self;
+    Buffer buffer;
+  };
+  static void run(void*, void* on_complete, void* param) {
+    auto* job = static_cast<Job*>(param);
+    double* v = job->buffer.data;
+    const size_t size = job->buffer.size;
+    const std::string& mode = job->self->mode_;
+    const auto& complete = *static_cast<mxnet::engine::CallbackOnComplete*>(on_complete);
+    if (mode == "fail") return fail_operation(complete, "loopback: the reduction failed");
+    const double w = job->self->workers;
+    for (size_t i = 0; i < size; ++i) v[i] *= w;
+    if (mode == "call") v[1] += 1;
+    if (mode == "scale")
+      for (size_t i = 0; i < size; ++i) v[i] *= 0.45;
+    complete();
+  }
+  static void delete_job(void* param) { delete static_cast<Job*>(param); }
+
+  void reduce(int, int, const Buffer& buffer, std::function<void()> then,
+              std::function<void(const std::string&)> failed) override {
+    if (mode_ == "never") return;
+    NDArrayHandle array = buffer.array;
+    if (MXEnginePushAsyncND(run, new Job{this, buffer}, delete_job, kCPU0, nullptr, 0, &array,
+                            1, nullptr, 0, "gluon_syncbn_loopback", false) != 0)
+      return failed(last_mxnet_error());
+    then();
+  }
+
+ private:
+  std::string mode_;
+};
+
+}  // namespace
+
+extern "C" {
+
+// A loopback transport (above) of `workers` workers in `mode`; its id.
+int gsbn_test_loopback(int workers, const char* mode, double exit_grace) {
+  g_exit_grace = exit_grace;
+  return add_transport(std::make_shared<LoopbackTransport>(workers, mode));
+}
+
+// Counters: (layer, device) pairs holding exchange staging ("staging"),
+// meetings the session holds ("meetings"), reductions engine threads left
+// to the holder of `transport`'s store lock ("queued").
+int64_t gsbn_test_count(const char* what, int transport) {
+  const std::string which = what;
+  if (which == "staging") return static_cast<int64_t>(staging_layers());
+  if (which == "queued") {
+    auto t = find_kvstore(transport);
+    return t ? t->lock.queued() : -1;
+  }
+  std::lock_guard<std::mutex> lock(g_mutex);
+  int64_t n = 0;
+  for (auto& g : live_groups_locked()) n += static_cast<int64_t>(g->meetings.size());
+  return n;
+}
+
+// stats.h on the given per-channel inputs of C channels (tests/test_native_stats.py):
+// forward_contribution(count, m1, m2, v), merge(total), then with its
+// statistics normalize_coefficients, backward_contribution(d_scale, d_shift)
+// and local_moment_grads(backward_total). `out` gets their results one after
+// another: 1 + 2C, 1 + 2C (n, mean, var), 2C (scale, shift), 3C
+// (contribution, d gamma), 2C (d m2, d v).
+void gsbn_test_stats(int C, double count, const double* m1, const double* m2, const double* v,
+                     const double* total, const double* gamma, const double* beta, double eps,
+                     int fix_gamma, const double* d_scale, const double* d_shift,
+                     const double* backward_total, double* out) {
+  auto vec = [](const double* a, int n) { return std::vector<double>(a, a + n); };
+  auto emit = [&out](const std::vector<double>& a) { out = std::copy(a.begin(), a.end(), out); };
+  Params p;
+  p.eps = eps;
+  p.fix_gamma = fix_gamma != 0;
+  const std::vector<double> centre = vec(m1, C);
+  emit(forward_contribution(count, centre, vec(m2, C), vec(v, C)));
+  const Info stats = merge(vec(total, 1 + 2 * C));
+  emit({stats.n});
+  emit(stats.mean);
+  emit(stats.var);
+  std::vector<double> scale, shift, g = vec(gamma, C), ds = vec(d_scale, C),
+                      dsh = vec(d_shift, C), inv_stds, d_gamma, d_m2, d_v;
+  normalize_coefficients(p, stats, centre, g, vec(beta, C), &scale, &shift);
+  emit(scale);
+  emit(shift);
+  emit(backward_contribution(p, stats, centre, count, &g, &ds, &dsh, &inv_stds, &d_gamma));
+  emit(d_gamma);
+  local_moment_grads(vec(backward_total, 2 * C), count, stats, centre, g, inv_stds, &d_m2, &d_v);
+  emit(d_m2);
+  emit(d_v);
+}
+
+}  // extern "C"

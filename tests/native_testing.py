@@ -1,0 +1,34 @@
+"""The tests' entry points of the native library (``tests/native_testing.h``),
+in the build ``tests/conftest.py`` asks for (``GLUON_SYNCBN_TESTING``)."""
+import ctypes
+import os
+
+SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'native_testing.h')
+
+
+def entry_points(lib):
+    """The ctypes library of ``lib`` (a loaded ``native.library.Library``,
+    built with this file) with the tests' entry points declared."""
+    assert lib.testing, 'the library was built without tests/native_testing.h'
+    c, doubles = ctypes, ctypes.POINTER(ctypes.c_double)
+    raw = lib._lib
+    for name, argtypes, restype in [
+            ('gsbn_test_loopback', [c.c_int, c.c_char_p, c.c_double], c.c_int),
+            ('gsbn_test_count', [c.c_char_p, c.c_int], c.c_int64),
+            ('gsbn_test_stats', [c.c_int, c.c_double] + [doubles] * 6 +
+             [c.c_double, c.c_int] + [doubles] * 4, None)]:
+        function = getattr(raw, name)
+        function.argtypes, function.restype = argtypes, restype
+    return raw
+
+
+def count(lib, what, transport=0):
+    """``'staging'``: (layer, device) pairs holding exchange staging;
+    ``'meetings'``: meetings the native session holds; ``'queued'``:
+    reductions engine threads left to the holder of ``transport``'s store lock."""
+    return entry_points(lib).gsbn_test_count(what.encode(), transport)
+
+
+def loopback(lib, workers, mode, exit_grace):
+    """A loopback transport's id (see ``LoopbackTransport`` in the header)."""
+    return entry_points(lib).gsbn_test_loopback(workers, mode.encode(), exit_grace)
