@@ -20,13 +20,12 @@ step the first synchronized call on several CPU contexts raises at once
 (:func:`check_cpu_contexts`). GPUs have their own resources per device and
 need nothing.
 """
-import functools
 import os
 
 from .errors import SyncBatchNormError
 
 __all__ = ['configure_cpu_contexts', 'configure_from_environment', 'check_cpu_contexts',
-           'slots_for', 'is_naive_engine', 'mkldnn_active', 'in_host_memory']
+           'slots_for', 'is_naive_engine', 'in_host_memory']
 
 CONTEXTS_VARIABLE = 'GLUON_SYNCBN_CPU_CONTEXTS'
 DEVICE_PATH_VARIABLE = 'GLUON_SYNCBN_DEVICE_PATH'
@@ -132,18 +131,6 @@ def _int_env(name):
 
 def is_naive_engine():
     return os.environ.get('MXNET_ENGINE_TYPE', '') == 'NaiveEngine'
-
-
-@functools.lru_cache(maxsize=None)
-def mkldnn_active():
-    """True when MXNet runs CPU operators through MKL-DNN (the CPU wheel's default)."""
-    if os.environ.get('MXNET_MKLDNN_ENABLED', '1') == '0':
-        return False
-    import mxnet as mx
-    try:
-        return mx.runtime.Features().is_enabled('MKLDNN')
-    except Exception:  # pylint: disable=broad-except
-        return False
 
 
 def in_host_memory(devices):

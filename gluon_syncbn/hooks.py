@@ -2,9 +2,7 @@
 
 * ``MXNetError`` raised for a failed custom operator carries only MXNet's
   text (see ``mxnet_private``, "Failures"); we put the SyncBatchNorm failure
-  that caused it in its place, or after it. A
-  wrong channel count in a hybridized graph fails MXNet's shape check of our
-  centring convolution; we append which layer and the fix.
+  that caused it in its place, or after it.
 * Entering the outermost ``autograd.record()`` (or ``train_mode()``) scope
   begins a training step: calls issued after a failure but before that belong
   to the failed step (see ``session.Session``).
@@ -13,10 +11,11 @@
   already issued for devices 0 and 1 would wait for partners that never come, so
   we abort the step and they fail at once instead of at the timeout.
 * A hybridized network is traced before deferred parameter shapes are known,
-  so a SyncBatchNorm traced then cannot use its fast normalization (it needs
-  the channel count); it asks for one re-trace, done after that first call.
-  And before a cached graph's calls are issued, the errors an aborted step left
-  on the layers' arrays are cleared (the block does it in imperative mode).
+  so a static_shape graph on the GPU path cannot hand the exchange operator
+  its running statistics' arrays then; it asks for one re-trace, done after
+  that first call. And before a cached graph's calls are issued, the errors
+  an aborted step left on the layers' arrays are cleared (the block does it
+  in imperative mode).
 * A Trainer's first step broadcasts every parameter from device 0, running
   statistics included. In static_shape graphs those are written by engine
   operations our operators push from their callbacks, so some devices' writes
@@ -30,38 +29,23 @@
   and aborts the step if calls are still waiting after a bounded time.
 """
 import atexit
-import re
 import threading
 
 import mxnet as mx
 
-from . import messages
 from .errors import SyncBatchNormError, last_failure, take_failures
 from .mxnet_private import FAILED_CALL_TEXT, dtype_name
 from .session import SESSION
 
-__all__ = ['CENTER_OP', 'install', 'request_retrace']
+__all__ = ['install', 'request_retrace']
 
 _CUSTOM_OP_MARKERS = ('kCustomOpForward', 'kCustomOpBackward', 'kCustomOpProp')
-
-
-# The depthwise convolution that centres a hybridized layer's input; the
-# first operator whose shape check sees a wrong channel count.
-CENTER_OP = 'center'
-_CENTER_SHAPE_ERROR = re.compile(
-    r'Error in operator (\S+)_%s\d*: Shape inconsistent, Provided = \[(\d+),1,1,1\], '
-    r'inferred shape=\((\d+),1,1,1\)' % CENTER_OP)
 
 
 def _causes(message):
     """What gluon_syncbn knows about the failure an MXNetError reports, or ''."""
     if any(m in message for m in _CUSTOM_OP_MARKERS):
         return '\n'.join('%s: %s' % (type(e).__name__, e) for e in take_failures())
-    wrong_channels = _CENTER_SHAPE_ERROR.search(message)
-    if wrong_channels:
-        layer, got, expected = wrong_channels.groups()
-        return 'SyncBatchNormError: ' + messages.text('wrong_channels', layer=layer,
-                                                      channels=got, axis=1, expected=expected)
     return ''
 
 

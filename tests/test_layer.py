@@ -86,19 +86,6 @@ def test_each_path_runs_its_operator(results, case, request):
     assert result_of(results, IDS.index(case))['operator'] == PATH_OPERATOR[path]
 
 
-@pytest.mark.parametrize('case,fast', [('N2-hybrid', 1.0), ('N3-deferred-hybrid', 1.0),
-                                       ('N2-deferred-static', 1.0), ('N4-hybrid-nhwc', 0.0)])
-def test_hybridized_graphs_normalize_with_the_fast_convolution(results, case, fast, request):
-    # Python operator, float32, axis 1, MKL-DNN: a depthwise convolution, also
-    # when the graph was first traced before the channel count was known (it
-    # is traced again); channels-last keeps the broadcast operators. The
-    # asynchronous operator normalizes itself: no convolution; the GPU path
-    # uses the broadcast operators.
-    if request.node.callspec.params['results'] != 'python':
-        fast = 0.0
-    assert result_of(results, IDS.index(case))['graph_uses_convolution'] == fast
-
-
 def test_float32_cases_were_compared_with_nn_batchnorm(results):
     compared = [i for i, c in enumerate(IDS) if 'y_vs_nn' in result_of(results, i)]
     assert len(compared) >= 10

@@ -11,7 +11,7 @@ from mxnet.gluon.parameter import DeferredInitializationError
 from ..hooks import request_retrace
 from ..mxnet_private import dtype_name
 from .base import Backend
-from .vector_graph import LOW_PRECISION, VectorBackend
+from .vector_graph import VectorBackend
 
 __all__ = ['AsyncBackend', 'ExchangeBackend']
 
@@ -101,35 +101,18 @@ class ExchangeBackend(VectorBackend):
             for device, (mean, var) in enumerate(arrays):
                 self._lib.set_running(self.handle, device, mean, var)
 
-    def _graph(self, F, x, xs, gamma, beta, running_mean, running_var, dtype, static_shape,
+    def _graph(self, F, xs, gamma, beta, running_mean, running_var, dtype, static_shape,
                imperative):
-        """12 operators (13 with reshape_like), each a kernel on a GPU.
-
-        The centre m1 is the mean MXNet computes, a constant to autograd (the
-        output does not depend on it), blocked at its input: blocked at its
-        output, the mean's backward would still run. m2 corrects m1's float32
-        rounding, which at |mean| >> std is large against the std.
-        """
         if not imperative and static_shape:
             try:
                 self._set_running_arrays()
             except DeferredInitializationError:
                 request_retrace()  # shapes are known after the first call
-        axis = self.kwargs['axis']
-        m1 = F.mean(F.BlockGrad(xs), axis=axis, exclude=True, keepdims=True)
-        xc = F.broadcast_sub(xs, m1)
-        m2 = F.mean(xc, axis=axis, exclude=True)
-        v = F.mean(F.square(xc), axis=axis, exclude=True)
-        scale, shift = self._exchange(F, F.reshape(m1, shape=(-1,)), m2, v, xc, gamma, beta,
-                                      running_mean, running_var, dtype, static_shape)
-        out = F.broadcast_add(F.broadcast_mul(xc, scale), shift)
-        return out if dtype in LOW_PRECISION else F.reshape_like(out, xs)
+        return super(ExchangeBackend, self)._graph(F, xs, gamma, beta, running_mean,
+                                                   running_var, dtype, static_shape, imperative)
 
     def _exchange(self, F, m1, m2, v, data, gamma, beta, running_mean, running_var, dtype,
                   static_shape):
-        """The exchange operator on this device's (C,) moments: the (scale,
-        shift) that normalize ``x - m1``, each shaped to broadcast against
-        ``data``, whose shape gives the sample count."""
         stat = 'float64' if dtype == 'float64' else 'float32'
         g, b = ((gamma, beta) if self._param_dtype() == stat else
                 (F.Cast(gamma, dtype=stat), F.Cast(beta, dtype=stat)))
@@ -137,9 +120,3 @@ class ExchangeBackend(VectorBackend):
                                  running_mean, running_var, static_shape=static_shape,
                                  input_dtype=dtype, **self._arguments)
         return F.split(out, num_outputs=2, axis=0, squeeze_axis=True)
-
-    def _empty_scale(self, F, zeros, x, gamma, beta, running_mean, running_var, dtype):
-        flat = zeros.reshape(-1)
-        scale, _ = self._exchange(F, flat, flat, flat, x, gamma, beta, running_mean,
-                                  running_var, dtype, False)
-        return scale

@@ -1,9 +1,9 @@
 """The custom operator that synchronizes one SyncBatchNorm call across devices.
 
-It sees only per-channel vectors: the local moments computed by MXNet's native
-operators (per sample and channel, see ``python_backend.ChannelMoments``), gamma/beta
-and the running statistics. It never touches the activations, so MKL-DNN's
-blocked layouts never reach Python. Reading and
+It has the exchange operator's place in the graph (:mod:`.vector_graph`):
+it sees only per-channel vectors, the local moments computed by MXNet's
+native operators, gamma/beta and the running statistics, and never touches
+the activations, so MKL-DNN's blocked layouts never reach Python. Reading and
 writing its small arrays are direct copies, and the only operators it issues
 (running-statistics updates in static-shape graphs, see ``_update_running``) are
 not waited for, so nothing it does can queue behind work that waits for it.
@@ -73,24 +73,6 @@ def _read(arr):
     return arr.asnumpy().astype(np.float64).ravel()
 
 
-def _read_rows(arr, channels, count, row_sums):
-    """The local mean from an array of per-row statistics, shape (rows, C, ...).
-
-    The block hands over one value per (sample, channel) row rather than
-    reducing over the samples in the graph (see ``python_backend.ChannelMoments``):
-    sums (``row_sums``) or means of rows of equal length; a single row is the
-    plain mean over every axis but the channel axis.
-    """
-    rows = _read(arr).reshape(-1, channels)
-    return rows.sum(axis=0) / count if row_sums else rows.mean(axis=0)
-
-
-def _rows_grad(grad, like, count, row_sums):
-    """The gradient of each row's statistic for ``grad``, that of the local mean."""
-    rows = int(np.prod(like.shape)) // grad.size
-    return np.broadcast_to(grad / (count if row_sums else rows), (rows, grad.size))
-
-
 def _count(shape, channels):
     """Samples per channel on this device, from the input's ``shape_array``."""
     return int(np.prod(shape.asnumpy())) // max(channels, 1)
@@ -99,11 +81,9 @@ def _count(shape, channels):
 class SyncBatchNormOp(mx.operator.CustomOp):
     """One device's instance of the synchronization operator."""
 
-    def __init__(self, backend, device, eps, momentum, fix_gamma, static_shape, input_dtype,
-                 row_sums):
+    def __init__(self, backend, device, eps, momentum, fix_gamma, static_shape, input_dtype):
         super(SyncBatchNormOp, self).__init__()
         self.input_dtype = input_dtype
-        self.row_sums = row_sums
         self.backend = backend
         self.device = device
         self.eps = eps
@@ -131,9 +111,8 @@ class SyncBatchNormOp(mx.operator.CustomOp):
             fail_custom_call(in_grad[0], in_grad[1], exc, SESSION.native)
 
     def _forward(self, is_train, req, in_data, out_data, aux):
-        m1 = _read(in_data[0])
+        m1, m2, v = (_read(a) for a in in_data[:3])
         count = _count(in_data[3], m1.size)
-        m2, v = (_read_rows(a, m1.size, count, self.row_sums) for a in in_data[1:3])
         gamma = np.ones_like(m1) if self.fix_gamma else _read(in_data[4])
         beta = _read(in_data[5])
         if not is_train:
@@ -192,10 +171,8 @@ class SyncBatchNormOp(mx.operator.CustomOp):
                                           self.backend.reduce, token=self.token)[self.sync_group]
         d_m2, d_v = stats.local_moment_grads(total, count, n, mean, m1, gamma, inv_std)
         _write(in_grad[0], req[0], 0, self.in_place)  # m1 is a constant (BlockGrad in the block)
-        _write(in_grad[1], req[1], _rows_grad(d_m2, in_data[1], count, self.row_sums),
-               self.in_place)
-        _write(in_grad[2], req[2], _rows_grad(d_v, in_data[2], count, self.row_sums),
-               self.in_place)
+        _write(in_grad[1], req[1], d_m2, self.in_place)
+        _write(in_grad[2], req[2], d_v, self.in_place)
         _write(in_grad[3], req[3], 0, self.in_place)
         _write(in_grad[4], req[4], 0 if self.fix_gamma else d_gamma, self.in_place)
         _write(in_grad[5], req[5], d_beta, self.in_place)
@@ -210,16 +187,16 @@ class SyncBatchNormProp(mx.operator.CustomOpProp):
     other custom operators that rely on the default.
     """
 
-    def __init__(self, group, eps, momentum, fix_gamma, static_shape='False',
-                 input_dtype='float32', row_sums='False'):
+    def __init__(self, group, eps, momentum, fix_gamma, axis, static_shape='False',
+                 input_dtype='float32'):
         super(SyncBatchNormProp, self).__init__(need_top_grad=True)
         self.handle = group
         self.eps = float(eps)
         self.momentum = float(momentum)
         self.fix_gamma = fix_gamma in ('True', 'true', '1')
+        self.axis = int(axis)
         self.static_shape = static_shape in ('True', 'true', '1')
         self.input_dtype = input_dtype
-        self.row_sums = row_sums in ('True', 'true', '1')
 
     def list_arguments(self):
         return ['mean', 'residual', 'sqdev', 'shape', 'gamma', 'beta']
@@ -231,12 +208,13 @@ class SyncBatchNormProp(mx.operator.CustomOpProp):
         return ['running_mean', 'running_var']
 
     def infer_shape(self, in_shape):
+        """The (C,) moments and the input's shape in; scale and shift shaped
+        to broadcast against the input, and the info vector, out."""
         backend = _backend(self.handle)
-        stat_shape = tuple(in_shape[0])
+        channels = int(np.prod(in_shape[0]))
         ndim = tuple(in_shape[3])[0] if len(in_shape) > 3 and len(in_shape[3]) else 0
         if ndim > 0 and not 2 <= ndim <= 5:
             self._fail_shape(messages.text('bad_ndim', layer=backend.layer_name, ndim=ndim))
-        channels = int(np.prod(stat_shape))
         for i in (4, 5, 6, 7):  # gamma, beta, running_mean, running_var
             given = tuple(in_shape[i]) if i < len(in_shape) else ()
             known = given and all(d > 0 for d in given)
@@ -246,9 +224,9 @@ class SyncBatchNormProp(mx.operator.CustomOpProp):
                                                axis=backend.kwargs['axis'],
                                                expected=int(np.prod(given))))
         vec = (channels,)
-        # residual and sqdev: one row of C sums or means per sample, or one row.
-        return ([stat_shape, tuple(in_shape[1]), tuple(in_shape[2]),
-                 (ndim,) if ndim > 0 else (0,), vec, vec],
+        stat_shape = tuple(channels if i == self.axis % max(ndim, 1) else 1
+                           for i in range(ndim))
+        return ([vec, vec, vec, (ndim,) if ndim > 0 else (0,), vec, vec],
                 [stat_shape, stat_shape, (wire.info_size(channels),)],
                 [vec, vec])
 
@@ -277,4 +255,4 @@ class SyncBatchNormProp(mx.operator.CustomOpProp):
         stats_dtype = np.dtype(_DTYPE_MX_TO_NP[in_dtypes[0]]).name  # MXNet type code
         dtype = '%s (statistics in %s)' % (self.input_dtype, stats_dtype)
         return SyncBatchNormOp(backend, device, self.eps, self.momentum,
-                               self.fix_gamma, self.static_shape, dtype, self.row_sums)
+                               self.fix_gamma, self.static_shape, dtype)

@@ -2,8 +2,8 @@
 the Python operator (the fallback in one process).
 
 MXNet's own operators compute each device's per-channel moments of the input
-(on the device, on GPUs), the operator synchronizes those vectors into the
-(scale, shift) that normalize, and MXNet's operators apply them. The
+(on the device, on GPUs), the backend's operator synchronizes those vectors
+into the (scale, shift) that normalize, and MXNet's operators apply them. The
 asynchronous operator (CPU contexts) needs none of this: it takes the whole
 call.
 """
@@ -19,8 +19,7 @@ LOW_PRECISION = ('float16', 'bfloat16')
 
 class VectorBackend(Backend):
     """A backend whose operator sees per-channel vectors; subclasses supply
-    the graph between the input and the output (:meth:`_graph`) and what an
-    empty slice sends (:meth:`_empty_scale`)."""
+    the operator (:meth:`_exchange`)."""
 
     # Run imperative calls as one CachedOp per input dtype (see _cached_op).
     cache_imperative = False
@@ -88,17 +87,40 @@ class VectorBackend(Backend):
             # see: amp_cast widens float16/bfloat16 and leaves float32 alone.
             # (Not for float64 networks: on CPU it is MKL-DNN's and refuses it.)
             xs = F.amp_cast(x, dtype='float32')
-        out = self._graph(F, x, xs, gamma, beta, running_mean, running_var, dtype,
-                          static_shape, imperative)
+        out = self._graph(F, xs, gamma, beta, running_mean, running_var, dtype, static_shape,
+                          imperative)
         return F.Cast(out, dtype=operator_dtype(dtype)) if half else out
 
-    def _graph(self, F, x, xs, gamma, beta, running_mean, running_var, dtype, static_shape,
+    def _graph(self, F, xs, gamma, beta, running_mean, running_var, dtype, static_shape,
                imperative):
-        """The output for ``xs`` (``x`` widened), shaped like ``x``. The head
-        gradient enters through its last operator: a Cast (for float16 and
-        bfloat16 input) or a reshape_like, whose backward converts it to the
-        output's dtype, where MXNet's broadcast operators would refuse any
-        other (AMP makes float16 heads for float32 outputs)."""
+        """The output for ``xs`` (the input, widened): 12 operators (13 with
+        reshape_like), each a kernel on a GPU.
+
+        The centre m1 is the mean MXNet computes, a constant to autograd (the
+        output does not depend on it), blocked at its input: blocked at its
+        output, the mean's backward would still run. m2 corrects m1's float32
+        rounding, which at |mean| >> std is large against the std.
+
+        The head gradient enters through the last operator: a Cast (for
+        float16 and bfloat16 input) or a reshape_like, whose backward converts
+        it to the output's dtype, where MXNet's broadcast operators would
+        refuse any other (AMP makes float16 heads for float32 outputs).
+        """
+        axis = self.kwargs['axis']
+        m1 = F.mean(F.BlockGrad(xs), axis=axis, exclude=True, keepdims=True)
+        xc = F.broadcast_sub(xs, m1)
+        m2 = F.mean(xc, axis=axis, exclude=True)
+        v = F.mean(F.square(xc), axis=axis, exclude=True)
+        scale, shift = self._exchange(F, F.reshape(m1, shape=(-1,)), m2, v, xc, gamma, beta,
+                                      running_mean, running_var, dtype, static_shape)
+        out = F.broadcast_add(F.broadcast_mul(xc, scale), shift)
+        return out if dtype in LOW_PRECISION else F.reshape_like(out, xs)
+
+    def _exchange(self, F, m1, m2, v, data, gamma, beta, running_mean, running_var, dtype,
+                  static_shape):
+        """The operator on this device's (C,) moments: the (scale, shift)
+        that normalize ``data`` (``x - m1``), each shaped to broadcast
+        against it; its shape gives the sample count."""
         raise NotImplementedError
 
     def _empty_slice(self, F, x, gamma, beta, running_mean, running_var, dtype):
@@ -106,13 +128,10 @@ class VectorBackend(Backend):
         divide by zero on it, so the operator gets zero moments (the count,
         from the shape, is 0) and still joins both exchanges; the empty output
         depends on scale so that its backward runs too."""
-        axis = self.kwargs['axis'] % x.ndim
-        stat_shape = tuple(x.shape[axis] if i == axis else 1 for i in range(x.ndim))
-        zeros = F.zeros(stat_shape, ctx=x.context,
+        channels = x.shape[self.kwargs['axis'] % x.ndim]
+        zeros = F.zeros((channels,), ctx=x.context,
                         dtype='float32' if dtype in LOW_PRECISION else dtype)
-        scale = self._empty_scale(F, zeros, x, gamma, beta, running_mean, running_var, dtype)
+        scale, _ = self._exchange(F, zeros, zeros, zeros, x, gamma, beta, running_mean,
+                                  running_var, dtype, False)
         # Not broadcast_add: its backward over a size-0 array segfaults in 1.9.1.
         return F.broadcast_mul(x, F.Cast(scale, dtype=operator_dtype(dtype)))
-
-    def _empty_scale(self, F, zeros, x, gamma, beta, running_mean, running_var, dtype):
-        raise NotImplementedError
