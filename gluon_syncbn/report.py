@@ -10,7 +10,6 @@ two GPUs where there are, else on two CPU contexts.
 """
 import argparse
 import os
-import subprocess
 import sys
 
 __all__ = ['main', 'report']
@@ -58,7 +57,7 @@ def report(selftest=False):
                            else 'not available: %s' % status['why_not']))
     if selftest:
         for part in ('async', 'exchange'):
-            lines.append('  self-test %s now: %s' % (part, _run_selftest(part)))
+            lines.append('  self-test %s now: %s' % (part, native.run_selftest(part)[0]))
     _section(lines, 'Backends (%s=%s)' % (backends.BACKEND_VARIABLE,
                                          backends.requested_backend()))
     for question, choice in backends.explain().items():
@@ -84,14 +83,6 @@ def _horovod():
     from .transport import HorovodTransport
     why = HorovodTransport.why_not_native()
     return '%s%s' % (horovod.__version__, ': ' + why if why else ', native transport')
-
-
-def _run_selftest(part):
-    proc = subprocess.run([sys.executable, '-m', 'gluon_syncbn.selftest', part],
-                          capture_output=True, text=True, timeout=300)
-    if proc.returncode == 0 and 'ok' in proc.stdout.split():
-        return 'ok'
-    return 'failed (exit %d): %s' % (proc.returncode, (proc.stderr or proc.stdout)[-500:])
 
 
 def main(argv=None):

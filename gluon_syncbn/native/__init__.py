@@ -63,13 +63,8 @@ FLAGS = ['-O3', '-shared', '-fPIC', '-std=c++14',
 BUILD_SECONDS = 300
 SELFTEST_SECONDS = 120
 
-# Filled once, under _lock: a layer's first call may come from one Python
-# thread per device at once (GluonCV's parallel_apply), and building,
-# self-testing, registering and generating the operators' functions must
-# happen once. 'loaded' is set last, so a thread that sees it reads the rest
-# without the lock.
-_state = {'lib': None, 'path': None, 'why_not': None, 'async': None, 'exchange': None,
-          'loaded': False, 'async_checked': False, 'exchange_checked': False, 'verdicts': {}}
+# What load() and the operators' registration found (see _once).
+_state = {'path': None, 'why_not': None, 'verdicts': {}}
 _lock = threading.RLock()
 
 
@@ -83,25 +78,14 @@ def _mxnet_dir():
 
 
 def mxnet_identity(mx_dir):
-    """What tells the ``libmxnet.so`` the library links against from any other.
+    """What tells the ``libmxnet.so`` in ``mx_dir`` from any other: its real
+    path, size and modification time, or the path alone if there is no file.
 
-    The CPU and GPU wheels are both version 1.9.1, and a CPU and a GPU venv
-    often share one cache: a library built, and self-tested, against one
-    wheel's libmxnet.so must never be loaded with the other's. Its real path,
-    size and modification time tell them apart at the cost of one ``stat``
-    (hashing the file would read 0.9 GB for the GPU wheel at every import:
-    0.8 s measured with it in the page cache, 6.5 s without); reinstalling
-    the wheel changes the time, so it rebuilds.
-
-    Parameters
-    ----------
-    mx_dir : str
-        The mxnet package's folder, where the build links ``libmxnet.so``.
-
-    Returns
-    -------
-    str
-        The path, size and time, or the path alone if there is no file.
+    The CPU and GPU wheels are both 1.9.1, and CPU and GPU venvs often share
+    one cache: a library built and self-tested against one wheel must never
+    be loaded with the other. One ``stat`` tells them apart (hashing the file
+    would read 0.9 GB at every import); a reinstall changes the time, so it
+    rebuilds.
     """
     library = os.path.realpath(os.path.join(mx_dir, 'libmxnet.so'))
     try:
@@ -171,22 +155,29 @@ def build(path):
             os.remove(tmp)
 
 
+def _once(name, make):
+    """``make()``, kept as ``_state[name]``. Made once, whichever threads ask
+    at the same time (a layer's first call may come from one Python thread
+    per device: GluonCV's parallel_apply); the others wait, then share it."""
+    done = name + ' done'
+    if done not in _state:
+        with _lock:
+            if done not in _state:
+                _state[name] = make()
+                _state[done] = True  # last: who sees it reads the result unlocked
+    return _state[name]
+
+
 def load():
     """The loaded native library (a :class:`~.library.Library`), or None where
-    it cannot be had (the reason in :func:`status`). Built on first use, once,
-    whichever threads ask at the same time (the others wait, then share the
-    result). Its operators are registered later, each where a layer needs it
+    it cannot be had (the reason in :func:`status`), built at the first
+    call. Its operators are registered later, each where a layer needs it
     and its self-test passed (:func:`async_operator`, :func:`exchange_operator`).
     """
-    if not _state['loaded']:
-        with _lock:
-            if not _state['loaded']:
-                _load_locked()
-                _state['loaded'] = True
-    return _state['lib']
+    return _once('lib', _load)
 
 
-def _load_locked():
+def _load():
     try:
         path = library_path()
         if not os.path.exists(path):
@@ -194,9 +185,10 @@ def _load_locked():
         lib = Library(path, testing=_testing_source() is not None)
         lib.init(messages.TEMPLATES)
         _state['path'] = path
-        _state['lib'] = lib
+        return lib
     except (NativeUnavailable, OSError) as exc:
         _state['why_not'] = str(exc)
+        return None
 
 
 def _register(part):
@@ -215,12 +207,7 @@ def _register(part):
 def async_operator():
     """``{mx.nd: f, mx.sym: f}`` for the asynchronous operator (CPU
     contexts), or None. Registered at its first use, once."""
-    if not _state['async_checked']:
-        with _lock:
-            if not _state['async_checked']:
-                _state['async'] = _register('async')
-                _state['async_checked'] = True
-    return _state['async']
+    return _once('async', lambda: _register('async'))
 
 
 def exchange_operator():
@@ -230,13 +217,8 @@ def exchange_operator():
     self-test: one layer on two devices (two GPUs where there are, else two
     CPU contexts down the GPU path) against NumPy, once per library and GPU
     driver."""
-    if not _state['exchange_checked']:
-        with _lock:
-            if not _state['exchange_checked']:
-                if async_operator() is not None:
-                    _state['exchange'] = _register('exchange')
-                _state['exchange_checked'] = True
-    return _state['exchange']
+    return _once('exchange', lambda: _register('exchange')
+                 if async_operator() is not None else None)
 
 
 def status():
@@ -274,7 +256,7 @@ def _selftest(path, part):
         return 'ok'  # this is the self-test's process
     marker = '%s.%s%s.selftest' % (path, part, _driver_tag() if part == 'exchange' else '')
     if not os.path.exists(marker):
-        verdict, definite = _run_selftest(part)
+        verdict, definite = run_selftest(part)
         if not definite:
             return verdict
         fd, tmp = tempfile.mkstemp(dir=os.path.dirname(marker))
@@ -286,7 +268,7 @@ def _selftest(path, part):
     return verdict if verdict == 'ok' else '%s; see %s' % (verdict.strip()[-300:], marker)
 
 
-def _run_selftest(part):
+def run_selftest(part):
     """``(verdict, definite)``: the outcome of ``selftest.py <part>`` in a
     subprocess, and whether it is a verdict on the build."""
     try:
