@@ -68,7 +68,9 @@ Failures
       that fails in ``raise`` mode would read as the last SyncBatchNorm
       failure, if there was one.
     * A failed call leaves its exception on the arrays it writes until someone
-      waits on them (``session.Session.clear_failed_arrays``).
+      waits on one of them, which clears it on all (``ThrowException`` nulls
+      the shared ``exception_ptr``); until then MXNet skips every operation
+      on them and passes the error on (``session.Session.clear_failed_arrays``).
 
 Class patches (``hooks``, installed when it is imported: ``hooks.install``)
     ``MXNetError.__init__``, ``autograd._RecordingStateScope.__enter__`` and
