@@ -112,7 +112,6 @@ class SyncBatchNorm(HybridBlock):
                              'got %r' % (num_devices,))
         self._kwargs = {'axis': axis, 'eps': epsilon, 'momentum': momentum,
                         'fix_gamma': not scale, 'use_global_stats': use_global_stats}
-        self._center = center
         self._num_devices = num_devices
         self._timeout = float(timeout) if timeout is not None else default_timeout()
         self._transport = make_transport(kvstore)
@@ -271,7 +270,6 @@ class SyncBatchNorm(HybridBlock):
         if imperative:
             dtype = dtype_name(x.dtype)
             SESSION.clear_failed_arrays()
-            SESSION.check_dtypes(self, None, len(contexts), x.context, dtype)
         else:
             dtype = self._input_dtype
         return backend.forward(F, x, gamma, beta, running_mean, running_var, dtype,

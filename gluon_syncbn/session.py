@@ -96,14 +96,15 @@ class Session(object):
         return self._issue_token
 
     def check_dtypes(self, owner, name, num_devices, device, dtype):
-        """Raise if the call of ``owner`` (a layer, or a hybridized block
-        holding layers, named ``name``; None: the layer's own name) issued now
-        on ``device`` (a Context or its name) has another
-        dtype than the same call on the other devices: the k-th call of each
-        of the ``num_devices`` devices since the step token last changed, as
-        the operators pair them. Checked when a call is issued: found later,
-        inside the operators, the failure would have to travel through
-        MXNet's error path once per device at the same moment.
+        """Raise if the call of ``owner`` (the Python backend of a layer, or
+        a hybridized block holding layers; ``name`` names them) issued now on
+        ``device`` (a Context or its name) has another dtype than the same
+        call on the other devices: the k-th call of each of the
+        ``num_devices`` devices since the step token last changed, as the
+        operators pair them. The meetings compare the devices' dtypes too;
+        this finds a mismatch as the calls are issued, where a meeting cannot
+        (a traced graph's operators see the network's dtype) or where its
+        failure would complete every device's custom-operator call at once.
 
         The record lives on ``owner`` (nothing outlives it) and keeps only
         calls some device has not made yet, at most :data:`OPEN_CALLS` of
@@ -126,7 +127,7 @@ class Session(object):
             if len(set(seen.values())) <= 1:
                 return
         exc = SyncBatchNormError(messages.text(
-            'dtypes_disagree', layers=name or "'%s'" % owner.name,
+            'dtypes_disagree', layers=name,
             dtypes=', '.join('%s: %s' % (d, t) for d, t in sorted(seen.items(), key=str))))
         self.fail_step(exc)
         raise exc

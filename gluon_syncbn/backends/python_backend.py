@@ -30,6 +30,19 @@ class PythonBackend(VectorBackend):
                                         hint=self.hint)
         self.handle = python_op.register(self)
 
+    def forward(self, F, x, gamma, beta, running_mean, running_var, dtype, static_shape,
+                imperative):
+        if imperative:
+            # The devices' input dtypes are compared as the calls are issued,
+            # not only at the barrier: found there, the failure would complete
+            # every device's custom-operator call at once, which MXNet's
+            # unlocked list of engine errors cannot take without the native
+            # library (mxnet_private, "Failures").
+            SESSION.check_dtypes(self, "'%s'" % self.layer_name, len(self.devices),
+                                 x.context, dtype)
+        return super(PythonBackend, self).forward(F, x, gamma, beta, running_mean,
+                                                  running_var, dtype, static_shape, imperative)
+
     def fail_pending(self, cause):
         self.barrier.fail_pending(cause)
 

@@ -119,11 +119,10 @@ template <typename T> mxnet::OpStatePtr make_state(T* object,
 // A new engine variable that lives as long as the process.
 mxnet::Engine::VarHandle new_engine_variable() { return mxnet::Engine::Get()->NewVariable(); }
 
-// The node's string arguments (NodeAttrs::dict, iterated only).
-std::vector<std::pair<std::string, std::string>> node_arguments(const nnvm::NodeAttrs& attrs) {
-  std::vector<std::pair<std::string, std::string>> out;
-  for (const auto& kv : attrs.dict) out.emplace_back(kv.first, kv.second);
-  return out;
+// f(key, value) for each of the node's string arguments (NodeAttrs::dict,
+// iterated only).
+template <typename F> void for_each_argument(const nnvm::NodeAttrs& attrs, F f) {
+  for (const auto& kv : attrs.dict) f(kv.first, kv.second);
 }
 
 }  // namespace

@@ -22,20 +22,16 @@ struct Params {
   int axis = 1;
 };
 
-Params parse_params(int num, const char** keys, const char** values) {
-  Params p;
-  for (int i = 0; i < num; ++i) {
-    std::string key = keys[i], value = values[i];
-    bool yes = value == "True" || value == "true" || value == "1";
-    if (key == "group") p.group_id = std::stoll(value);
-    else if (key == "eps") p.eps = std::stod(value);
-    else if (key == "momentum") p.momentum = std::stod(value);
-    else if (key == "fix_gamma") p.fix_gamma = yes;
-    else if (key == "static_shape") p.static_shape = yes;
-    else if (key == "axis") p.axis = std::stoi(value);
-    else if (key == "input_dtype") p.dtype_name = value;
-  }
-  return p;
+// Sets the argument `key` of `p` from its string `value`; ignores others.
+void set_param(Params* p, const std::string& key, const std::string& value) {
+  const bool yes = value == "True" || value == "true" || value == "1";
+  if (key == "group") p->group_id = std::stoll(value);
+  else if (key == "eps") p->eps = std::stod(value);
+  else if (key == "momentum") p->momentum = std::stod(value);
+  else if (key == "fix_gamma") p->fix_gamma = yes;
+  else if (key == "static_shape") p->static_shape = yes;
+  else if (key == "axis") p->axis = std::stoi(value);
+  else if (key == "input_dtype") p->dtype_name = value;
 }
 
 }  // namespace

@@ -33,13 +33,11 @@ namespace {
 
 // The block's string arguments of a node (group, eps, momentum, ...).
 Params node_params(const nnvm::NodeAttrs& attrs) {
-  std::vector<const char*> keys, values;
-  auto arguments = node_arguments(attrs);
-  for (const auto& kv : arguments) {
-    keys.push_back(kv.first.c_str());
-    values.push_back(kv.second.c_str());
-  }
-  return parse_params(static_cast<int>(keys.size()), keys.data(), values.data());
+  Params p;
+  for_each_argument(attrs, [&p](const std::string& key, const std::string& value) {
+    set_param(&p, key, value);
+  });
+  return p;
 }
 
 std::string layer_name(const Params& p) {
@@ -310,18 +308,17 @@ mxnet::NDArray plain(const mxnet::NDArray& a) {
 int64_t infer_channels(const Params& p, const mxnet::TShape& data, mxnet::ShapeVector* in,
                        int first, int* axis_out) {
   const int ndim = data.ndim();
-  std::string name = layer_name(p);
-  CHECK(ndim >= 2 && ndim <= 5) << message("bad_ndim", {{"layer", name},
+  CHECK(ndim >= 2 && ndim <= 5) << message("bad_ndim", {{"layer", layer_name(p)},
                                                         {"ndim", std::to_string(ndim)}});
   const int axis = p.axis < 0 ? p.axis + ndim : p.axis;
-  CHECK(axis >= 0 && axis < ndim) << message("bad_axis", {{"layer", name},
+  CHECK(axis >= 0 && axis < ndim) << message("bad_axis", {{"layer", layer_name(p)},
                                                           {"axis", std::to_string(p.axis)},
                                                           {"ndim", std::to_string(ndim)}});
   const int64_t channels = data[axis];
   for (int i = 0; i < 4; ++i) {
     const mxnet::TShape& s = (*in)[first + i];
     if (mxnet::ndim_is_known(s) && s.ndim() == 1 && s[0] > 0 && s[0] != channels && channels > 0)
-      LOG(FATAL) << message("wrong_channels", {{"layer", name},
+      LOG(FATAL) << message("wrong_channels", {{"layer", layer_name(p)},
                                               {"channels", std::to_string(channels)},
                                               {"axis", std::to_string(p.axis)},
                                               {"expected", std::to_string(s[0])}});
