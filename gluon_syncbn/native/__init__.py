@@ -110,9 +110,10 @@ def library_path():
     mx_dir, version = _mxnet_dir()
     digest = hashlib.sha256(' '.join(_flags()).encode())
     digest.update(b'\0' + mxnet_identity(mx_dir).encode() + b'\0')
+    testing = _testing_source()
     sources = [os.path.join(SOURCE_DIR, name) for name in sorted(os.listdir(SOURCE_DIR))
-               if name.endswith(('.cc', '.h'))] + [_testing_source() or '']
-    for source in filter(None, sources):
+               if name.endswith(('.cc', '.h'))] + ([testing] if testing else [])
+    for source in sources:
         with open(source, 'rb') as f:
             digest.update(os.path.basename(source).encode() + b'\0' + f.read())
     digest = digest.hexdigest()[:16]
