@@ -13,6 +13,7 @@ from .cpu_contexts import check_cpu_contexts, is_naive_engine
 from .errors import SyncBatchNormError
 from .gpus import check_gpus
 from .groups import check_sync_groups
+from .hooks import tracing_for_prediction
 from .mxnet_private import dtype_name
 from .session import SESSION, SETUP_LOCK
 from .transport import make_transport
@@ -266,6 +267,11 @@ class SyncBatchNorm(HybridBlock):
             # precision on CPU.)
             return F.BatchNorm(x, gamma, beta, running_mean, running_var, name='fwd',
                                **self._kwargs)
+        if not imperative and tracing_for_prediction():
+            # A hybridized network's graph for predict mode (hooks): the
+            # running statistics, as nn.BatchNorm's graph has them.
+            return F.BatchNorm(x, gamma, beta, running_mean, running_var, name='fwd',
+                               **dict(self._kwargs, use_global_stats=True))
         backend = self._backend_for(contexts)
         if imperative:
             dtype = dtype_name(x.dtype)

@@ -10,12 +10,8 @@
   half-way (say device 2's forward raised in user code): the SyncBatchNorm calls
   already issued for devices 0 and 1 would wait for partners that never come, so
   we abort the step and they fail at once instead of at the timeout.
-* A hybridized network is traced before deferred parameter shapes are known,
-  so a static_shape graph on the GPU path cannot hand the exchange operator
-  its running statistics' arrays then; it asks for one re-trace, done after
-  that first call. And before a cached graph's calls are issued, the errors
-  an aborted step left on the layers' arrays are cleared (the block does it
-  in imperative mode).
+* Before a cached graph's calls are issued, the errors an aborted step left
+  on the layers' arrays are cleared (the block does it in imperative mode).
 * A Trainer's first step broadcasts every parameter from device 0, running
   statistics included. In static_shape graphs those are written by engine
   operations our operators push from their callbacks, so some devices' writes
@@ -37,7 +33,7 @@ from .errors import SyncBatchNormError, last_failure, take_failures
 from .mxnet_private import FAILED_CALL_TEXT, dtype_name
 from .session import SESSION
 
-__all__ = ['install', 'request_retrace']
+__all__ = ['install']
 
 _CUSTOM_OP_MARKERS = ('kCustomOpForward', 'kCustomOpBackward', 'kCustomOpProp')
 
@@ -127,14 +123,6 @@ def install_exit_abort_hook(session, waitall):
     atexit.register(abort_at_exit)
 
 
-_retrace_requested = [False]
-
-
-def request_retrace():
-    """Ask the hybridized block being traced now to trace again after this call."""
-    _retrace_requested[0] = True
-
-
 def _blocks(block):
     yield block
     for child in block._children.values():
@@ -153,15 +141,73 @@ def _forward_imperatively(block, args):
             b._active = True
 
 
+# What a hybridized block's cached graph is: Gluon's attributes for it.
+_GRAPH_ATTRIBUTES = ('_cached_graph', '_cached_op', '_cached_op_args', '_in_format',
+                     '_out_format')
+_tracing = threading.local()
+_switch_lock = threading.Lock()
+
+
+def tracing_for_prediction():
+    """Whether the graph being traced now will only ever run in predict mode
+    (see :func:`install_cached_op_hook`)."""
+    return getattr(_tracing, 'prediction', False)
+
+
+def _synchronizes(block):
+    return any(getattr(b, '_synchronizes', False) for b in _blocks(block))
+
+
+def _use_graph_for_mode(block, args, training):
+    """Give ``block`` its cached graph for training (``training``) or for
+    prediction: two graphs where a SyncBatchNorm layer in it synchronizes.
+
+    A traced graph runs in both modes (MXNet passes the mode to each operator
+    at run time), so one graph would run a synchronizing layer's moments and
+    exchange in predict mode too. Such a block gets a second graph, traced
+    for prediction, in which each layer is ``BatchNorm`` with the running
+    statistics: the graph ``nn.BatchNorm`` would have. Both are traced at the
+    block's first call, whatever its mode, so that the threads of a
+    data-parallel step, which must not trace (MXNet's name scopes race),
+    find both. Gluon's own clearing (``hybridize()``, a new child, ``cast``)
+    drops both."""
+    graphs = block.__dict__.get('_gluon_syncbn_graphs')
+    if graphs is not None and block._cached_op is not graphs[graphs['mode']][1]:
+        graphs = block._gluon_syncbn_graphs = None  # cleared or rebuilt by Gluon
+    if graphs is None:
+        if block._cached_op is not None:
+            return  # built by Gluon with nothing synchronizing
+        block._build_cache(*args)
+        if not _synchronizes(block):
+            return
+        graphs = {'mode': True, True: [getattr(block, a) for a in _GRAPH_ATTRIBUTES]}
+        block._clear_cached_op()
+        _tracing.prediction = True
+        try:
+            block._build_cache(*args)
+        finally:
+            _tracing.prediction = False
+        graphs[False] = [getattr(block, a) for a in _GRAPH_ATTRIBUTES]
+        graphs['mode'] = False
+        block._gluon_syncbn_graphs = graphs
+    if graphs['mode'] != training:
+        with _switch_lock:
+            if graphs['mode'] != training:
+                for name, value in zip(_GRAPH_ATTRIBUTES, graphs[training]):
+                    setattr(block, name, value)
+                graphs['mode'] = training
+
+
 def install_cached_op_hook(hybrid_block_class, session, is_training):
-    """Before a cached graph with SyncBatchNorm layers runs: clear a failed
-    step's errors and check that every device feeds it one dtype in this step;
-    after its first call, re-trace if a layer asked for it."""
+    """Before a cached graph with SyncBatchNorm layers runs: the graph of the
+    mode (:func:`_use_graph_for_mode`); a failed step's errors cleared; every
+    device checked to feed it one dtype in this step."""
     if getattr(hybrid_block_class, '_gluon_syncbn_cached_op_hooked', False):
         return
     original = hybrid_block_class._call_cached_op
 
     def _call_cached_op(self, *args):
+        _use_graph_for_mode(self, args, bool(is_training()))
         session.clear_failed_arrays()
         layers = None
         if args and hasattr(args[0], 'dtype') and is_training():
@@ -183,11 +229,7 @@ def install_cached_op_hook(hybrid_block_class, session, is_training):
                 # (reshape), so this call runs imperatively, where each
                 # SyncBatchNorm layer joins its exchanges with count 0.
                 return _forward_imperatively(self, args)
-        out = original(self, *args)
-        if _retrace_requested[0]:
-            _retrace_requested[0] = False
-            self._clear_cached_op()  # parameter shapes are known now
-        return out
+        return original(self, *args)
 
     hybrid_block_class._call_cached_op = _call_cached_op
     hybrid_block_class._gluon_syncbn_cached_op_hooked = True

@@ -10,7 +10,8 @@ MXNet's native reductions (see :mod:`gluon_syncbn.block`):
 ``m2``
     the mean of ``x - m1`` (the small correction that makes ``m1 + m2`` exact);
 ``v``
-    the mean of ``(x - m1)**2``, so the local variance is ``v - m2**2``.
+    the (biased) variance of ``x - m1``, the local variance: MXNet's
+    ``moments`` operator gives ``m2`` and ``v`` together.
 
 Centering on ``m1`` first keeps the sums free of catastrophic cancellation even
 when ``|mean| >> std`` (e.g. ``1e4 + randn`` in float32). The devices' moments
@@ -37,7 +38,7 @@ __all__ = ['forward_contribution', 'merge', 'normalize_coefficients',
 
 def forward_contribution(count, m1, m2, v):
     """The vector ``[n, n*mean, n*(var + mean**2)]`` one device adds to the sum."""
-    return wire.pack_forward(count, m1 + m2, np.maximum(v - m2 * m2, 0.0))
+    return wire.pack_forward(count, m1 + m2, np.maximum(v, 0.0))
 
 
 def merge(total):
@@ -70,16 +71,17 @@ def backward_contribution(d_scale, d_shift, mean, m1, inv_std):
     return wire.pack_backward(d_shift, sum_dy_xc), sum_dy_xc * inv_std, d_shift
 
 
-def local_moment_grads(total, count, n, mean, m1, gamma, inv_std):
-    """Gradients for this device's ``(m2, v)`` from the summed ``BACKWARD`` vector.
+def local_moment_grads(total, count, n, mean, local_mean, gamma, inv_std):
+    """Gradients for this device's ``(m2, v)`` from the summed ``BACKWARD`` vector
+    (``local_mean``: ``m1 + m2``).
 
     ``m1`` is a constant (see above), so these carry the whole gradient of the
-    statistics: ``dL/dx = dy*scale + d_m2/count + d_v*2*(x - m1)/count``.
+    statistics: ``dL/dx = dy*scale + d_m2/count + d_v*2*(x - local_mean)/count``.
     """
     sum_dy, sum_dy_xc = wire.unpack_backward(total)
-    g_delta = -sum_dy * gamma * inv_std                # dL/d(global mean - m1)
+    g_delta = -sum_dy * gamma * inv_std                # dL/d(global mean)
     g_var = -0.5 * sum_dy_xc * gamma * inv_std ** 3    # dL/d(global var)
     w = count / n
-    d_m2 = g_delta * w + g_var * 2.0 * w * (m1 - mean)
+    d_m2 = g_delta * w + g_var * 2.0 * w * (local_mean - mean)
     d_v = g_var * w
     return d_m2, d_v

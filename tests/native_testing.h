@@ -110,7 +110,10 @@ void gsbn_test_stats(int C, double count, const double* m1, const double* m2, co
   emit(shift);
   emit(backward_contribution(p, stats, centre, count, &g, &ds, &dsh, &inv_stds, &d_gamma));
   emit(d_gamma);
-  local_moment_grads(vec(backward_total, 2 * C), count, stats, centre, g, inv_stds, &d_m2, &d_v);
+  std::vector<double> local_mean = centre;
+  for (int c = 0; c < C; ++c) local_mean[c] += m2[c];
+  local_moment_grads(vec(backward_total, 2 * C), count, stats, local_mean, g, inv_stds, &d_m2,
+                     &d_v);
   emit(d_m2);
   emit(d_v);
 }

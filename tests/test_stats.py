@@ -17,7 +17,7 @@ def local_moments(x):
     m1 = x.mean(axis=(0, 2, 3), dtype=np.float32)
     xc = x - m1.reshape(1, -1, 1, 1)
     m2 = xc.mean(axis=(0, 2, 3))
-    v = (xc * xc).mean(axis=(0, 2, 3))
+    v = xc.var(axis=(0, 2, 3))
     return xc, m1.astype(np.float64), m2.astype(np.float64), v.astype(np.float64)
 
 
@@ -42,10 +42,10 @@ def sync_bn(parts, dys, gamma, beta, eps=1e-5):
     dxs = []
     for p, dy, xc, m1, m2, scale, inv, contribution in saved:
         count = p.size // p.shape[1]
-        d_m2, d_v = stats.local_moment_grads(btotal, count, n, mean, m1, gamma, inv)
+        d_m2, d_v = stats.local_moment_grads(btotal, count, n, mean, m1 + m2, gamma, inv)
         b = lambda a: a.reshape(1, -1, 1, 1)  # noqa: E731
-        # m1 is a constant: no term through it
-        dxs.append(dy * b(scale) + b(d_m2) / count + b(d_v) * 2 * xc / count)
+        # m1 is a constant: no term through it (moments' backward)
+        dxs.append(dy * b(scale) + b(d_m2) / count + b(d_v) * 2 * (xc - b(m2)) / count)
     d_gamma = sum(g for g, _ in bwd)
     d_beta = sum(b_ for _, b_ in bwd)
     return np.concatenate(ys), np.concatenate(dxs), d_gamma, d_beta, mean, var

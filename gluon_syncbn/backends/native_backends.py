@@ -6,10 +6,6 @@ removed with it; the operators take it as their ``group`` argument.
 """
 import weakref
 
-from mxnet.gluon.parameter import DeferredInitializationError
-
-from ..hooks import request_retrace
-from ..mxnet_private import dtype_name
 from .base import Backend
 from .vector_graph import VectorBackend
 
@@ -81,42 +77,12 @@ class ExchangeBackend(VectorBackend):
     def __init__(self, layer, devices, transport, lib, functions):
         super(ExchangeBackend, self).__init__(layer, devices, transport)
         self._functions = functions
-        self._lib = lib
         self.handle = native_group(self, lib)
         self._arguments = _arguments(self, self.handle)
-        self._running = []
-
-    def _param_dtype(self):
-        return dtype_name(self._layer().gamma.dtype)
-
-    def _set_running_arrays(self):
-        """Hand the operator each device's running mean and variance arrays,
-        for static_shape graphs, whose auxiliary states are read-only: it
-        updates the Parameter's own arrays in engine order
-        (``exchange_op.h``, queue_running_update)."""
-        arrays = [self.running_arrays(d) for d in range(len(self.devices))]
-        if [a.handle.value for p in arrays for a in p] != [
-                a.handle.value for p in self._running for a in p]:
-            self._running = arrays  # keeps the handles valid
-            for device, (mean, var) in enumerate(arrays):
-                self._lib.set_running(self.handle, device, mean, var)
-
-    def _graph(self, F, xs, gamma, beta, running_mean, running_var, dtype, static_shape,
-               imperative):
-        if not imperative and static_shape:
-            try:
-                self._set_running_arrays()
-            except DeferredInitializationError:
-                request_retrace()  # shapes are known after the first call
-        return super(ExchangeBackend, self)._graph(F, xs, gamma, beta, running_mean,
-                                                   running_var, dtype, static_shape, imperative)
 
     def _exchange(self, F, m1, m2, v, data, gamma, beta, running_mean, running_var, dtype,
                   static_shape):
-        stat = 'float64' if dtype == 'float64' else 'float32'
-        g, b = ((gamma, beta) if self._param_dtype() == stat else
-                (F.Cast(gamma, dtype=stat), F.Cast(beta, dtype=stat)))
-        out = self._functions[F](F.concat(m1, m2, v, g, b, dim=0), data, gamma, beta,
-                                 running_mean, running_var, static_shape=static_shape,
-                                 input_dtype=dtype, **self._arguments)
-        return F.split(out, num_outputs=2, axis=0, squeeze_axis=True)
+        out = self._functions[F](m1, m2, v, gamma, beta, running_mean, running_var, data,
+                                 static_shape=static_shape, input_dtype=dtype,
+                                 **self._arguments)
+        return out[0], out[1]

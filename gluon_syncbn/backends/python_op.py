@@ -169,7 +169,8 @@ class SyncBatchNormOp(mx.operator.CustomOp):
         key = ('bwd', token, call)
         total = self.backend.barrier.meet(key, self.device, (contribution, self.input_dtype),
                                           self.backend.reduce, token=self.token)[self.sync_group]
-        d_m2, d_v = stats.local_moment_grads(total, count, n, mean, m1, gamma, inv_std)
+        d_m2, d_v = stats.local_moment_grads(total, count, n, mean, m1 + _read(in_data[1]),
+                                             gamma, inv_std)
         _write(in_grad[0], req[0], 0, self.in_place)  # m1 is a constant (BlockGrad in the block)
         _write(in_grad[1], req[1], d_m2, self.in_place)
         _write(in_grad[2], req[2], d_v, self.in_place)
@@ -208,8 +209,9 @@ class SyncBatchNormProp(mx.operator.CustomOpProp):
         return ['running_mean', 'running_var']
 
     def infer_shape(self, in_shape):
-        """The (C,) moments and the input's shape in; scale and shift shaped
-        to broadcast against the input, and the info vector, out."""
+        """The moments (m1 shaped to broadcast against the input, m2 and v
+        (C,)) and the input's shape in; scale and shift shaped to broadcast
+        against the input, and the info vector, out."""
         backend = _backend(self.handle)
         channels = int(np.prod(in_shape[0]))
         ndim = tuple(in_shape[3])[0] if len(in_shape) > 3 and len(in_shape[3]) else 0
@@ -226,7 +228,8 @@ class SyncBatchNormProp(mx.operator.CustomOpProp):
         vec = (channels,)
         stat_shape = tuple(channels if i == self.axis % max(ndim, 1) else 1
                            for i in range(ndim))
-        return ([vec, vec, vec, (ndim,) if ndim > 0 else (0,), vec, vec],
+        centre = tuple(in_shape[0]) or vec  # shaped to broadcast, as the block computes it
+        return ([centre, vec, vec, (ndim,) if ndim > 0 else (0,), vec, vec],
                 [stat_shape, stat_shape, (wire.info_size(channels),)],
                 [vec, vec])
 

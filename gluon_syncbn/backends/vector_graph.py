@@ -17,6 +17,23 @@ __all__ = ['LOW_PRECISION', 'VectorBackend']
 LOW_PRECISION = ('float16', 'bfloat16')
 
 
+def _channels_in_middle(F, x, axis):
+    """``(x as (outer, C, inner) or (outer, C), the axes to reduce)``: what
+    ``moments`` needs for per-channel moments, whatever ``x``'s number of
+    dimensions (a traced graph does not know it). Reshapes only."""
+    if axis == -1:
+        return F.reshape(x, shape=(-1, 0), reverse=True), (0,)
+    if axis < 0:  # merge the dimensions after the channel's into one
+        for _ in range(-axis - 2):
+            x = F.reshape(x, shape=(-2, -3), reverse=True)
+        return F.reshape(x, shape=(-1, 0, 0), reverse=True), (0, 2)
+    if axis == 0:
+        x = F.reshape(x, shape=(-4, 1, -1, -2))
+    for _ in range(axis - 1):  # merge the dimensions before the channel's into one
+        x = F.reshape(x, shape=(-3, -2))
+    return F.reshape(x, shape=(0, 0, -1)), (0, 2)
+
+
 class VectorBackend(Backend):
     """A backend whose operator sees per-channel vectors; subclasses supply
     the operator (:meth:`_exchange`)."""
@@ -93,13 +110,15 @@ class VectorBackend(Backend):
 
     def _graph(self, F, xs, gamma, beta, running_mean, running_var, dtype, static_shape,
                imperative):
-        """The output for ``xs`` (the input, widened): 12 operators (13 with
-        reshape_like), each a kernel on a GPU.
+        """The output for ``xs`` (the input, widened): 9 operators, 10 with
+        reshape_like, each a kernel on a GPU, around the backend's operator.
 
         The centre m1 is the mean MXNet computes, a constant to autograd (the
         output does not depend on it), blocked at its input: blocked at its
-        output, the mean's backward would still run. m2 corrects m1's float32
-        rounding, which at |mean| >> std is large against the std.
+        output, the mean's backward would still run. The moments of x - m1
+        correct m1's float32 rounding, which at |mean| >> std is large
+        against the std: m2 = mean(x - m1) and v = var(x - m1), one
+        ``moments`` operator, whose backward is one operator too.
 
         The head gradient enters through the last operator: a Cast (for
         float16 and bfloat16 input) or a reshape_like, whose backward converts
@@ -109,18 +128,18 @@ class VectorBackend(Backend):
         axis = self.kwargs['axis']
         m1 = F.mean(F.BlockGrad(xs), axis=axis, exclude=True, keepdims=True)
         xc = F.broadcast_sub(xs, m1)
-        m2 = F.mean(xc, axis=axis, exclude=True)
-        v = F.mean(F.square(xc), axis=axis, exclude=True)
-        scale, shift = self._exchange(F, F.reshape(m1, shape=(-1,)), m2, v, xc, gamma, beta,
-                                      running_mean, running_var, dtype, static_shape)
+        m2, v = F.moments(*_channels_in_middle(F, xc, axis))
+        scale, shift = self._exchange(F, m1, m2, v, xs, gamma, beta, running_mean, running_var,
+                                      dtype, static_shape)
         out = F.broadcast_add(F.broadcast_mul(xc, scale), shift)
         return out if dtype in LOW_PRECISION else F.reshape_like(out, xs)
 
     def _exchange(self, F, m1, m2, v, data, gamma, beta, running_mean, running_var, dtype,
                   static_shape):
-        """The operator on this device's (C,) moments: the (scale, shift)
-        that normalize ``data`` (``x - m1``), each shaped to broadcast
-        against it; its shape gives the sample count."""
+        """The operator on this device's moments (``m1`` shaped to broadcast
+        against the data, ``m2`` and ``v`` of shape (C,)): the (scale, shift)
+        that normalize ``x - m1``, each shaped like ``m1``; ``data``'s shape
+        gives the sample count."""
         raise NotImplementedError
 
     def _empty_slice(self, F, x, gamma, beta, running_mean, running_var, dtype):
@@ -128,10 +147,13 @@ class VectorBackend(Backend):
         divide by zero on it, so the operator gets zero moments (the count,
         from the shape, is 0) and still joins both exchanges; the empty output
         depends on scale so that its backward runs too."""
-        channels = x.shape[self.kwargs['axis'] % x.ndim]
-        zeros = F.zeros((channels,), ctx=x.context,
-                        dtype='float32' if dtype in LOW_PRECISION else dtype)
-        scale, _ = self._exchange(F, zeros, zeros, zeros, x, gamma, beta, running_mean,
+        axis = self.kwargs['axis'] % x.ndim
+        centre = [1] * x.ndim
+        centre[axis] = x.shape[axis]
+        stat = 'float32' if dtype in LOW_PRECISION else dtype
+        m1 = F.zeros(tuple(centre), ctx=x.context, dtype=stat)
+        zeros = F.zeros((x.shape[axis],), ctx=x.context, dtype=stat)
+        scale, _ = self._exchange(F, m1, zeros, zeros, x, gamma, beta, running_mean,
                                   running_var, dtype, False)
         # Not broadcast_add: its backward over a size-0 array segfaults in 1.9.1.
         return F.broadcast_mul(x, F.Cast(scale, dtype=operator_dtype(dtype)))

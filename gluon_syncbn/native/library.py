@@ -35,7 +35,6 @@ class Library(object):
                 ('gsbn_group_create', [c.c_char_p, c.c_char_p, c.c_int, c.c_double, c.c_char_p,
                                        c.POINTER(c.c_int), c.c_int, c.c_int,
                                        c.POINTER(c.c_double), c.c_int], c.c_int64),
-                ('gsbn_group_set_running', [c.c_int64, c.c_int, c.c_void_p, c.c_void_p], None),
                 ('gsbn_group_remove', [c.c_int64], None),
                 ('gsbn_step', [c.c_int], c.c_uint64),
                 ('gsbn_abort', [c.c_char_p, c.c_int], None),
@@ -67,9 +66,6 @@ class Library(object):
             name.encode(), b'\0'.join(d.encode() for d in devices), len(devices),
             float(timeout), hint.encode(), (c.c_int * len(devices))(*sync_group_of),
             num_sync_groups, transport or 0, (c.c_double * len(owners))(*owners), len(owners))
-
-    def set_running(self, group, device, mean, var):
-        self._lib.gsbn_group_set_running(group, device, mean.handle, var.handle)
 
     def remove_group(self, group):
         self._lib.gsbn_group_remove(group)

@@ -108,9 +108,6 @@ struct Group : std::enable_shared_from_this<Group> {
   uint64_t counter_token = 0;
   std::vector<int64_t> next_call;
   std::map<Key, std::shared_ptr<Meeting>> meetings;
-  // static_shape graphs only: each device's running mean and variance arrays
-  // (the Parameter's own NDArrays, kept alive by the Python backend).
-  std::vector<std::vector<NDArrayHandle>> running;
   // Across processes, where a sync group spans workers: the transport, the
   // layer's slot in it (-1 until its first call), and this worker's entries
   // of the global device ownership vector (empty without sync_groups).

@@ -18,7 +18,7 @@ namespace {
 // ------------------------------------------------- per-channel vectors --
 // Per channel, m1 is the centre (the exchange operator's: a float32
 // estimate of the mean, computed on the device), m2 the mean of x - m1 and
-// v the mean of (x - m1)^2.
+// v its (biased) variance, the local variance.
 
 double inv_std(const Params& p, double var) { return 1.0 / std::sqrt(var + p.eps); }
 
@@ -30,7 +30,7 @@ std::vector<double> forward_contribution(double count, const std::vector<double>
   std::vector<double> mean(C), var(C);
   for (size_t c = 0; c < C; ++c) {
     mean[c] = m1[c] + m2[c];
-    var[c] = std::max(v[c] - m2[c] * m2[c], 0.0);
+    var[c] = std::max(v[c], 0.0);
   }
   return pack_forward(count, mean, var);
 }
@@ -92,19 +92,20 @@ std::vector<double> backward_contribution(const Params& p, const Info& stats,
 }
 
 // The gradients of this device's m2 and v from the summed BACKWARD vectors
-// `total`: through the global mean and variance (m1 is a constant).
+// `total`: through the global mean and variance (m1 is a constant;
+// local_mean is m1 + m2).
 void local_moment_grads(const std::vector<double>& total, double count, const Info& stats,
-                        const std::vector<double>& m1, const std::vector<double>& gamma,
+                        const std::vector<double>& local_mean, const std::vector<double>& gamma,
                         const std::vector<double>& inv_stds, std::vector<double>* d_m2,
                         std::vector<double>* d_v) {
-  const size_t C = m1.size();
+  const size_t C = local_mean.size();
   d_m2->assign(C, 0.0);
   d_v->assign(C, 0.0);
   const double w = count / stats.n;
   for (size_t c = 0; c < C; ++c) {
     double g_delta = -total[c] * gamma[c] * inv_stds[c];
     double g_var = -0.5 * total[C + c] * gamma[c] * std::pow(inv_stds[c], 3);
-    (*d_m2)[c] = g_delta * w + g_var * 2.0 * w * (m1[c] - stats.mean[c]);
+    (*d_m2)[c] = g_delta * w + g_var * 2.0 * w * (local_mean[c] - stats.mean[c]);
     (*d_v)[c] = g_var * w;
   }
 }
@@ -112,8 +113,8 @@ void local_moment_grads(const std::vector<double>& total, double count, const In
 // ------------------------------------------------ whole calls in host memory --
 // The asynchronous operator's, with the maths above: its FORWARD vector is
 // centred on the slice's own mean (m1 = mean, m2 = 0, v = var), and y on 0
-// (m1 = 0: y = x * scale + shift). Bit for bit as without them: mean + 0,
-// v - 0 * 0 and mean - 0 are mean, v and mean (no sum is -0).
+// (m1 = 0: y = x * scale + shift). Bit for bit as without them: mean + 0
+// and mean - 0 are mean (no sum is -0).
 
 // Elements [begin, end) of a 1-D array (end < 0: all).
 std::vector<double> values(const Array& a, int64_t begin = 0, int64_t end = -1) {

@@ -5,8 +5,9 @@
 //                 engine worker, returns at once and completes when the
 //                 devices have met;
 //   exchange_op.h GPUs: MXNet's operators compute the local moments on the
-//                 device; this operator (cpu and gpu) exchanges the packed
-//                 per-channel vector through MXNet's engine copies;
+//                 device; this operator (cpu and gpu) exchanges the
+//                 per-channel vectors, one batch of copies each way
+//                 (device_copies.h, the only reliance on CUDA's runtime);
 //   transport.h   across processes: a process's sums through the kvstore or
 //                 Horovod as engine operations on one buffer per key;
 //   session.h     the step token, the meeting of the devices' k-th calls
@@ -109,18 +110,6 @@ int64_t gsbn_group_create(const char* name, const char* devices, int num_devices
   g_groups[handle] = g;
   g_live.push_back(g);
   return handle;
-}
-
-// static_shape graphs: device `device`'s running mean and variance arrays (the
-// Parameter's own NDArrays, whose handles the Python backend keeps valid),
-// which the exchange operator updates in engine order.
-void gsbn_group_set_running(int64_t group, int device, NDArrayHandle mean, NDArrayHandle var) {
-  std::lock_guard<std::mutex> lock(g_mutex);
-  auto it = g_groups.find(group);
-  if (it == g_groups.end()) return;
-  auto& running = it->second->running;
-  if (running.size() <= static_cast<size_t>(device)) running.resize(device + 1);
-  running[device] = {mean, var};
 }
 
 // A layer was garbage-collected: its group and its staging go.
