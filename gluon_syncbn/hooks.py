@@ -148,6 +148,21 @@ _tracing = threading.local()
 _switch_lock = threading.Lock()
 
 
+def traced_ndim(symbol):
+    """The number of dimensions of ``symbol``, an intermediate of the graph
+    being traced now, where the block's inputs tell (shape inference from
+    them: :func:`_use_graph_for_mode`); else None."""
+    shapes = getattr(_tracing, 'input_shapes', None)
+    if not shapes:
+        return None
+    try:
+        known = {n: s for n, s in shapes.items() if n in set(symbol.list_inputs())}
+        _, out, _ = symbol.infer_shape_partial(**known)
+    except Exception:  # pylint: disable=broad-except
+        return None
+    return len(out[0]) if out and out[0] else None
+
+
 def tracing_for_prediction():
     """Whether the graph being traced now will only ever run in predict mode
     (see :func:`install_cached_op_hook`)."""
@@ -156,6 +171,28 @@ def tracing_for_prediction():
 
 def _synchronizes(block):
     return any(getattr(b, '_synchronizes', False) for b in _blocks(block))
+
+
+def _build(block, args, prediction):
+    """Gluon's ``_build_cache``, with the shapes of the block's inputs known
+    to the layers it traces (:func:`traced_ndim`; Gluon names a block's
+    inputs ``data``, or ``data0``, ``data1``, ... as here)."""
+    arrays = [a for a in _flatten(args) if a is not None]
+    names = ['data'] if len(arrays) == 1 else ['data%d' % i for i in range(len(arrays))]
+    _tracing.input_shapes = {n: a.shape for n, a in zip(names, arrays) if hasattr(a, 'shape')}
+    _tracing.prediction = prediction
+    try:
+        block._build_cache(*args)
+    finally:
+        _tracing.input_shapes, _tracing.prediction = None, False
+
+
+def _flatten(args):
+    for a in args:
+        if isinstance(a, (list, tuple)):
+            yield from _flatten(a)
+        else:
+            yield a
 
 
 def _use_graph_for_mode(block, args, training):
@@ -170,29 +207,32 @@ def _use_graph_for_mode(block, args, training):
     block's first call, whatever its mode, so that the threads of a
     data-parallel step, which must not trace (MXNet's name scopes race),
     find both. Gluon's own clearing (``hybridize()``, a new child, ``cast``)
-    drops both."""
+    drops both.
+
+    In static_shape graphs MXNet holds a call's running statistics as
+    read-only inputs (see ``mxnet_private``), so the engine does not order
+    a training call's update of them against a predict call's read: a change
+    of mode there first waits for the engine."""
     graphs = block.__dict__.get('_gluon_syncbn_graphs')
     if graphs is not None and block._cached_op is not graphs[graphs['mode']][1]:
         graphs = block._gluon_syncbn_graphs = None  # cleared or rebuilt by Gluon
     if graphs is None:
         if block._cached_op is not None:
             return  # built by Gluon with nothing synchronizing
-        block._build_cache(*args)
+        _build(block, args, prediction=False)
         if not _synchronizes(block):
             return
         graphs = {'mode': True, True: [getattr(block, a) for a in _GRAPH_ATTRIBUTES]}
         block._clear_cached_op()
-        _tracing.prediction = True
-        try:
-            block._build_cache(*args)
-        finally:
-            _tracing.prediction = False
+        _build(block, args, prediction=True)
         graphs[False] = [getattr(block, a) for a in _GRAPH_ATTRIBUTES]
         graphs['mode'] = False
         block._gluon_syncbn_graphs = graphs
     if graphs['mode'] != training:
         with _switch_lock:
             if graphs['mode'] != training:
+                if dict(block._flags).get('static_shape'):
+                    mx.nd.waitall()
                 for name, value in zip(_GRAPH_ATTRIBUTES, graphs[training]):
                     setattr(block, name, value)
                 graphs['mode'] = training

@@ -90,19 +90,22 @@ def result_of(results, index):
 BACKEND_VARIABLE = 'GLUON_SYNCBN_BACKEND'
 DEVICE_PATH_VARIABLE = 'GLUON_SYNCBN_DEVICE_PATH'
 # Every code path a layer call can take, named by its backend, and the
-# environment that selects it on CPU contexts: 'exchange' and 'python-device'
-# are the paths GPUs take (MXNet's operators compute the moments; arrays are
-# copied, never touched in place). The Python operator takes its GPU form
-# where CPU contexts count as GPUs (the test switch GLUON_SYNCBN_DEVICE_PATH).
+# environment that selects it on CPU contexts: 'exchange', 'exchange-device'
+# and 'python-device' are the paths GPUs take (MXNet's operators compute the
+# moments). Where CPU contexts count as GPUs (the test switch
+# GLUON_SYNCBN_DEVICE_PATH) arrays are copied, never touched in place: the
+# Python operator takes its GPU form, and the exchange operator copies through
+# its GPU code with a stand-in CUDA runtime (tests/native_testing.h).
 PATHS = {
     'async': {BACKEND_VARIABLE: 'async'},
     'python': {BACKEND_VARIABLE: 'python'},
     'exchange': {BACKEND_VARIABLE: 'exchange'},
+    'exchange-device': {BACKEND_VARIABLE: 'exchange', DEVICE_PATH_VARIABLE: '1'},
     'python-device': {BACKEND_VARIABLE: 'python', DEVICE_PATH_VARIABLE: '1'},
 }
 # The backend each path runs (the layer's _sync_backend.name).
 PATH_OPERATOR = {'async': 'async', 'python': 'python', 'exchange': 'exchange',
-                 'python-device': 'python'}
+                 'exchange-device': 'exchange', 'python-device': 'python'}
 # The paths the fault, empty-slice, group, NumPy-mode and AMP suites run on.
 OPERATOR_PATHS = ['async', 'python', 'exchange']
 

@@ -4,6 +4,8 @@
 // gluon_syncbn/native/__init__.py). Declared for Python in
 // tests/native_testing.py.
 
+#include <cstdlib>
+
 namespace {
 
 // For tests: `workers` workers of which the others send what `mode` says, as
@@ -58,7 +60,63 @@ class LoopbackTransport : public Transport {
 
 }  // namespace
 
+// A stand-in for the CUDA runtime's functions device_copies.h calls, in
+// host memory, counting what it is asked to do: with it, CPU contexts copy
+// as GPUs do (GLUON_SYNCBN_DEVICE_PATH=1 on the exchange operator). Each
+// function checks what the real one would refuse.
+std::atomic<int64_t> g_cuda_calls[5];  // copies up, copies down, waits, streams, failures
+std::atomic<int64_t> g_cuda_fail_at{-1};  // the copy that fails (counted from 0), -1: none
+thread_local int t_cuda_device = 0;
+
+int cuda_get_device(int* device) { *device = t_cuda_device; return 0; }
+int cuda_set_device(int device) { t_cuda_device = device; return 0; }
+int cuda_stream_create(void** stream, unsigned flags) {
+  ++g_cuda_calls[3];
+  *stream = new int(t_cuda_device);  // a stream knows its device
+  return flags == kCudaStreamNonBlocking ? 0 : 1;
+}
+int cuda_memcpy_async(void* to, const void* from, size_t bytes, int kind, void* stream) {
+  const int64_t copy = g_cuda_calls[0] + g_cuda_calls[1];
+  if (copy == g_cuda_fail_at || (kind != kCudaMemcpyDeviceToHost && kind != kCudaMemcpyHostToDevice) ||
+      *static_cast<int*>(stream) != t_cuda_device) {
+    ++g_cuda_calls[4];
+    return 700;  // cudaErrorIllegalAddress
+  }
+  std::memcpy(to, from, bytes);
+  ++g_cuda_calls[kind == kCudaMemcpyDeviceToHost ? 0 : 1];
+  return 0;
+}
+int cuda_stream_synchronize(void*) { ++g_cuda_calls[2]; return 0; }
+int cuda_malloc_host(void** p, size_t bytes) { *p = std::malloc(bytes); return *p ? 0 : 2; }
+int cuda_free_host(void* p) { std::free(p); return 0; }
+const char* cuda_error_string(int status) {
+  return status == 700 ? "an illegal memory access was encountered (stand-in)" : "stand-in error";
+}
+
 extern "C" {
+
+// The exchange operator's copies on CPU contexts go through the stand-in
+// above from now on.
+void gsbn_test_cuda_stand_in() {
+  CudaRuntime& r = cuda_runtime();
+  r.get_device = cuda_get_device;
+  r.set_device = cuda_set_device;
+  r.stream_create_with_flags = cuda_stream_create;
+  r.memcpy_async = cuda_memcpy_async;
+  r.stream_synchronize = cuda_stream_synchronize;
+  r.malloc_host = cuda_malloc_host;
+  r.free_host = cuda_free_host;
+  r.get_error_string = cuda_error_string;
+  g_copy_host_memory = true;
+}
+
+// The stand-in's counters: 0 copies up, 1 copies down, 2 waits, 3 streams
+// made, 4 copies refused; with `fail_at` >= 0, the copy of that number
+// (counting every copy so far) fails.
+int64_t gsbn_test_cuda_calls(int which, int64_t fail_at) {
+  if (fail_at >= 0) g_cuda_fail_at = fail_at;
+  return g_cuda_calls[which];
+}
 
 // A loopback transport (above) of `workers` workers in `mode`; its id.
 int gsbn_test_loopback(int workers, const char* mode, double exit_grace) {

@@ -15,6 +15,8 @@ def entry_points(lib):
     for name, argtypes, restype in [
             ('gsbn_test_loopback', [c.c_int, c.c_char_p, c.c_double], c.c_int),
             ('gsbn_test_count', [c.c_char_p, c.c_int], c.c_int64),
+            ('gsbn_test_cuda_stand_in', [], None),
+            ('gsbn_test_cuda_calls', [c.c_int, c.c_int64], c.c_int64),
             ('gsbn_test_stats', [c.c_int, c.c_double] + [doubles] * 6 +
              [c.c_double, c.c_int] + [doubles] * 4, None)]:
         function = getattr(raw, name)
@@ -32,3 +34,20 @@ def count(lib, what, transport=0):
 def loopback(lib, workers, mode, exit_grace):
     """A loopback transport's id (see ``LoopbackTransport`` in the header)."""
     return entry_points(lib).gsbn_test_loopback(workers, mode.encode(), exit_grace)
+
+
+CUDA_CALLS = ('copies_up', 'copies_down', 'waits', 'streams', 'refused')
+
+
+def copy_like_a_gpu(lib):
+    """From now on the exchange operator's copies on CPU contexts go through
+    device_copies.h's GPU branch, with a stand-in for the CUDA runtime."""
+    entry_points(lib).gsbn_test_cuda_stand_in()
+
+
+def cuda_calls(lib, fail_at=-1):
+    """The stand-in's counters (CUDA_CALLS); ``fail_at`` >= 0: the copy of
+    that number (counting every copy so far) fails."""
+    raw = entry_points(lib)
+    return {name: raw.gsbn_test_cuda_calls(i, fail_at if i == 0 else -1)
+            for i, name in enumerate(CUDA_CALLS)}

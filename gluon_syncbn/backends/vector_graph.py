@@ -7,6 +7,7 @@ into the (scale, shift) that normalize, and MXNet's operators apply them. The
 asynchronous operator (CPU contexts) needs none of this: it takes the whole
 call.
 """
+from ..hooks import traced_ndim
 from ..mxnet_private import amp_initialized, dtype_name, operator_dtype
 from ..session import SETUP_LOCK
 from .base import Backend
@@ -19,8 +20,8 @@ LOW_PRECISION = ('float16', 'bfloat16')
 
 def _channels_in_middle(F, x, axis):
     """``(x as (outer, C, inner) or (outer, C), the axes to reduce)``: what
-    ``moments`` needs for per-channel moments, whatever ``x``'s number of
-    dimensions (a traced graph does not know it). Reshapes only."""
+    ``moments`` needs for per-channel moments whatever ``x``'s number of
+    dimensions, for a traced graph that does not know it. Reshapes only."""
     if axis == -1:
         return F.reshape(x, shape=(-1, 0), reverse=True), (0,)
     if axis < 0:  # merge the dimensions after the channel's into one
@@ -50,13 +51,14 @@ class VectorBackend(Backend):
         if imperative and x.size == 0:
             return self._empty_slice(F, x, gamma, beta, running_mean, running_var, dtype)
         if imperative and self.cache_imperative:
-            op, order = self._cached_op(dtype, dtype_name(gamma.dtype))
+            op, order = self._cached_op(dtype, dtype_name(gamma.dtype), x.ndim)
             arrays = (x, gamma, beta, running_mean, running_var)
             return op(*[arrays[i] for i in order])
+        ndim = x.ndim if imperative else traced_ndim(x)
         return self._whole_graph(F, x, gamma, beta, running_mean, running_var, dtype,
-                                 static_shape, imperative)
+                                 static_shape, imperative, ndim)
 
-    def _cached_op(self, dtype, param_dtype):
+    def _cached_op(self, dtype, param_dtype, ndim):
         """The graph of an imperative call as one CachedOp, traced once per
         input dtype: one call into MXNet instead of one per operator, and
         static memory instead of a new array per operator output, each of
@@ -73,28 +75,29 @@ class VectorBackend(Backend):
         Returns ``(op, order)``: ``op`` takes (x, gamma, beta, running_mean,
         running_var) permuted by ``order``, the order of its inputs.
         """
-        key = (dtype, param_dtype, amp_initialized())
+        key = (dtype, param_dtype, amp_initialized(), ndim)
         cached = self._imperative_graphs.get(key)
         if cached is None:
             with SETUP_LOCK:  # traced once, whichever device's thread comes first
                 cached = self._imperative_graphs.get(key)
                 if cached is None:
-                    cached = self._imperative_graphs[key] = self._trace(dtype)
+                    cached = self._imperative_graphs[key] = self._trace(dtype, ndim)
         return cached
 
-    def _trace(self, dtype):
+    def _trace(self, dtype, ndim):
         from mxnet import ndarray, symbol
         names = ('data', 'gamma', 'beta', 'running_mean', 'running_var')
-        # Traced as imperative: the input's dtype is known.
+        # Traced as imperative: the input's dtype and number of dimensions are known.
         out = self._whole_graph(symbol, *[symbol.var(n) for n in names], dtype=dtype,
-                                static_shape=False, imperative=True)
+                                static_shape=False, imperative=True, ndim=ndim)
         order = [names.index(n) for n in out.list_inputs()]
         return ndarray.CachedOp(out, flags=[('static_alloc', True)]), order
 
     def _whole_graph(self, F, x, gamma, beta, running_mean, running_var, dtype, static_shape,
-                     imperative):
+                     imperative, ndim):
         """The operators of a call; ``imperative``: ``x`` has dtype ``dtype``
-        (an NDArray, or traced for an imperative call's CachedOp)."""
+        (an NDArray, or traced for an imperative call's CachedOp); ``ndim``:
+        its number of dimensions, or None where a traced graph cannot tell."""
         half = dtype in LOW_PRECISION
         # Statistics in at least float32: float16 input is widened, then narrowed back.
         xs = F.Cast(x, dtype='float32') if half else x
@@ -105,12 +108,11 @@ class VectorBackend(Backend):
             # (Not for float64 networks: on CPU it is MKL-DNN's and refuses it.)
             xs = F.amp_cast(x, dtype='float32')
         out = self._graph(F, xs, gamma, beta, running_mean, running_var, dtype, static_shape,
-                          imperative)
+                          ndim)
         return F.Cast(out, dtype=operator_dtype(dtype)) if half else out
 
-    def _graph(self, F, xs, gamma, beta, running_mean, running_var, dtype, static_shape,
-               imperative):
-        """The output for ``xs`` (the input, widened): 9 operators, 10 with
+    def _graph(self, F, xs, gamma, beta, running_mean, running_var, dtype, static_shape, ndim):
+        """The output for ``xs`` (the input, widened): 8 operators, 9 with
         reshape_like, each a kernel on a GPU, around the backend's operator.
 
         The centre m1 is the mean MXNet computes, a constant to autograd (the
@@ -118,7 +120,9 @@ class VectorBackend(Backend):
         output, the mean's backward would still run. The moments of x - m1
         correct m1's float32 rounding, which at |mean| >> std is large
         against the std: m2 = mean(x - m1) and v = var(x - m1), one
-        ``moments`` operator, whose backward is one operator too.
+        ``moments`` operator, whose backward is one operator too. It takes
+        its axes by number, so a graph traced without knowing ``ndim`` first
+        reshapes ``x - m1`` to three dimensions (one more operator each way).
 
         The head gradient enters through the last operator: a Cast (for
         float16 and bfloat16 input) or a reshape_like, whose backward converts
@@ -128,7 +132,10 @@ class VectorBackend(Backend):
         axis = self.kwargs['axis']
         m1 = F.mean(F.BlockGrad(xs), axis=axis, exclude=True, keepdims=True)
         xc = F.broadcast_sub(xs, m1)
-        m2, v = F.moments(*_channels_in_middle(F, xc, axis))
+        if ndim:
+            m2, v = F.moments(xc, axes=tuple(i for i in range(ndim) if i != axis % ndim))
+        else:
+            m2, v = F.moments(*_channels_in_middle(F, xc, axis))
         scale, shift = self._exchange(F, m1, m2, v, xs, gamma, beta, running_mean, running_var,
                                       dtype, static_shape)
         out = F.broadcast_add(F.broadcast_mul(xc, scale), shift)

@@ -30,6 +30,8 @@
 // global statistics, for the backward call.
 #pragma once
 #include <climits>
+#include <condition_variable>
+#include <deque>
 #include <iterator>
 #include <map>
 #include <memory>
@@ -98,6 +100,56 @@ size_t staging_layers() {
   return g_staging.size();
 }
 
+// Where a device's continuations run when its copies wait for a GPU: a
+// thread of the device's own (started at its first use, kept for the
+// process's life), so the devices copy in parallel instead of one after
+// another on the thread of the last to arrive. An engine operation per
+// continuation would do the same and cost the engine as much again as the
+// rest of the call.
+class DeviceThread {
+ public:
+  static void run(int dev_id, std::function<void()> fn) {
+    static std::mutex& mutex = *new std::mutex();
+    static auto& threads = *new std::map<int, DeviceThread*>();
+    DeviceThread* t;
+    {
+      std::lock_guard<std::mutex> lock(mutex);
+      DeviceThread*& made = threads[dev_id];
+      if (made == nullptr) made = new DeviceThread();
+      t = made;
+    }
+    t->push(std::move(fn));
+  }
+
+ private:
+  DeviceThread() { std::thread([this]() { loop(); }).detach(); }
+
+  void push(std::function<void()> fn) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      queue_.push_back(std::move(fn));
+    }
+    ready_.notify_one();
+  }
+
+  void loop() {
+    for (;;) {
+      std::function<void()> fn;
+      {
+        std::unique_lock<std::mutex> lock(mutex_);
+        ready_.wait(lock, [this]() { return !queue_.empty(); });
+        fn = std::move(queue_.front());
+        queue_.pop_front();
+      }
+      fn();
+    }
+  }
+
+  std::mutex mutex_;
+  std::condition_variable ready_;
+  std::deque<std::function<void()>> queue_;
+};
+
 struct ExchangeState : Op {
   std::vector<double> m1, local_mean, gamma;  // the forward's, for the backward call
   double count = 0;
@@ -134,10 +186,11 @@ struct ExchangeCall : SyncCall {
     complete();
   }
 
-  // `fn` on this device's worker where its copies wait for a GPU (the
-  // devices then copy in parallel), else here and now.
+  // `fn` on this device's DeviceThread where its copies wait for a GPU and
+  // another device's thread got here first, else here and now.
   void finish_on_device(std::function<void()> fn) {
-    if (copies.through_cuda()) return run_on_worker(std::move(fn));
+    if (copies.through_cuda() && std::this_thread::get_id() != issuer)
+      return DeviceThread::run(op.dev_id, guard(std::move(fn)));
     fn();
   }
 };

@@ -138,6 +138,7 @@ const int64_t kFinishHereElements = 1 << 14;
 // One call of an operator on one device, from its compute function to its
 // completion, shared (std::shared_ptr) by the continuations that finish it.
 struct SyncCall : std::enable_shared_from_this<SyncCall> {
+  typedef std::shared_ptr<SyncCall> Call;
   const mxnet::OpStatePtr held;  // keeps `op` alive while a continuation may run
   Op& op;
   const mxnet::engine::CallbackOnComplete on_complete;
@@ -242,6 +243,18 @@ struct SyncCall : std::enable_shared_from_this<SyncCall> {
     }
   }
 
+  // `fn`, with an exception it throws failing the call.
+  std::function<void()> guard(std::function<void()> fn) {
+    Call self = shared_from_this();
+    return [self, fn]() {
+      try {
+        fn();
+      } catch (const std::exception& e) {
+        self->fail_call(e.what());
+      }
+    };
+  }
+
   // run_on_worker, but here and now too for a slice of at most
   // kFinishHereElements elements.
   void finish_on(int64_t elements, std::function<void()> fn) {
@@ -259,20 +272,6 @@ struct SyncCall : std::enable_shared_from_this<SyncCall> {
   }
 
  private:
-  typedef std::shared_ptr<SyncCall> Call;
-
-  // `fn`, with an exception it throws failing the call.
-  std::function<void()> guard(std::function<void()> fn) {
-    Call self = shared_from_this();
-    return [self, fn]() {
-      try {
-        fn();
-      } catch (const std::exception& e) {
-        self->fail_call(e.what());
-      }
-    };
-  }
-
   void exchange(const Key& key, std::vector<double> contribution,
                 std::function<void(const std::vector<double>&)> then) {
     Call self = shared_from_this();
