@@ -76,7 +76,7 @@ int cuda_stream_create(void** stream, unsigned flags) {
   return flags == kCudaStreamNonBlocking ? 0 : 1;
 }
 int cuda_memcpy_async(void* to, const void* from, size_t bytes, int kind, void* stream) {
-  const int64_t copy = g_cuda_calls[0] + g_cuda_calls[1];
+  const int64_t copy = g_cuda_calls[0] + g_cuda_calls[1] + g_cuda_calls[4];
   if (copy == g_cuda_fail_at || (kind != kCudaMemcpyDeviceToHost && kind != kCudaMemcpyHostToDevice) ||
       *static_cast<int*>(stream) != t_cuda_device) {
     ++g_cuda_calls[4];
@@ -112,7 +112,7 @@ void gsbn_test_cuda_stand_in() {
 
 // The stand-in's counters: 0 copies up, 1 copies down, 2 waits, 3 streams
 // made, 4 copies refused; with `fail_at` >= 0, the copy of that number
-// (counting every copy so far) fails.
+// (counting every copy asked for so far, refused ones too) fails.
 int64_t gsbn_test_cuda_calls(int which, int64_t fail_at) {
   if (fail_at >= 0) g_cuda_fail_at = fail_at;
   return g_cuda_calls[which];

@@ -47,7 +47,7 @@ def copy_like_a_gpu(lib):
 
 def cuda_calls(lib, fail_at=-1):
     """The stand-in's counters (CUDA_CALLS); ``fail_at`` >= 0: the copy of
-    that number (counting every copy so far) fails."""
+    that number (counting every copy asked for so far) fails."""
     raw = entry_points(lib)
     return {name: raw.gsbn_test_cuda_calls(i, fail_at if i == 0 else -1)
             for i, name in enumerate(CUDA_CALLS)}

@@ -739,6 +739,38 @@ def bad_input_on_one_device(problem, num_devices=3, hybridize=False, timeout_sec
 
 
 @scenario
+def device_copy_fails(direction='forward', num_devices=3, hybridize=False, seed=0):
+    """On the exchange operator's GPU code (the stand-in CUDA runtime), one
+    copy of the next step fails (``direction``: one of the forward's copies
+    up, or of the backward's copies down): every device must fail at once
+    with the cause, and the step after recover."""
+    rng = np.random.RandomState(seed)
+    ctxs = contexts(num_devices)
+    shape = (num_devices, 3, 4, 4)
+    net = _fault_net(ctxs, hybridize, 60.0)
+    arrays = [mx.nd.array(rng.randn(1, 3, 4, 4), ctx=c) for c in ctxs]
+    for a in arrays:
+        a.attach_grad()
+    _step(net, arrays)
+    lib = gluon_syncbn.native.load()
+    done = native_testing.cuda_calls(lib)
+    copies = done['copies_up'] + done['copies_down'] + done['refused']
+    # Per layer call per device, 7 copies up and 4 down forward, 2 up and 4
+    # down backward: one of the first layer's forward copies up, or one of
+    # the last layer's backward copies down.
+    fail_at = copies + 7 if direction == 'forward' else copies + 2 * num_devices * 11 + 2
+    native_testing.cuda_calls(lib, fail_at=fail_at)
+    start = time.time()
+    with autograd.record():
+        outs = [net(a) for a in arrays]
+    autograd.backward(outs)
+    messages = [_capture(a.grad.wait_to_read)[0] for a in arrays]
+    return {'messages': messages, 'seconds': time.time() - start,
+            'refused': native_testing.cuda_calls(lib)['refused'],
+            'recovered': _recovery_error(net, ctxs, rng, shape)}
+
+
+@scenario
 def user_code_raises(num_devices=3, hybridize=False, timeout_seconds=60.0, seed=0):
     """Device 1's forward raises in user code inside autograd.record(): the call
     already issued for device 0 must fail at once, and the next step recover."""

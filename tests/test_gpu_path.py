@@ -10,9 +10,11 @@ the copies up and one for the copies down. And predict calls in the middle of
 training, with no sync point anywhere, see exactly the running statistics
 training has reached, in every mode.
 """
+import re
+
 import pytest
 
-from tests.conftest import PATHS, PATH_OPERATOR, result_of, run_batch
+from tests.conftest import PATHS, PATH_OPERATOR, result_of, run_batch, run_scenario
 
 MODES = [False, True, 'static']
 MODE_IDS = ['imperative', 'hybridized', 'static_shape']
@@ -79,3 +81,19 @@ def test_predict_calls_amid_training_see_the_running_statistics(predictions, mod
     assert result['operator'] == PATH_OPERATOR[path], result
     assert result['predict'] < 1e-5, result
     assert result['two_graphs'] == float(mode is not False), result
+
+
+@pytest.mark.parametrize('hybridize', [False, True], ids=['imperative', 'hybridized'])
+@pytest.mark.parametrize('direction', ['forward', 'backward'])
+def test_a_failed_device_copy_fails_the_step_and_the_next_recovers(direction, hybridize):
+    # One device's copy fails: every device's call fails with the cause
+    # naming it, at once (not at the layer's 60 s timeout); the next step is exact.
+    result = run_scenario('device_copy_fails', env=PATHS['exchange-device'],
+                          direction=direction, hybridize=hybridize)
+    assert result['refused'] == 1, result
+    cause = re.compile(r"SyncBatchNorm 'syncbatchnorm\d+': exchanging the statistics failed: "
+                       r'cudaMemcpyAsync on cpu\(\d\) failed: an illegal memory access')
+    for message in result['messages']:
+        assert message and cause.search(message), result
+    assert result['seconds'] < 30, result
+    assert result['recovered'] < 1e-5, result

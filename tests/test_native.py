@@ -434,54 +434,6 @@ def test_only_a_definite_self_test_verdict_is_kept(tmp_path, monkeypatch, outcom
         assert verdict == 'ok' if kept == 'ok' else verdict.startswith(kept), verdict
 
 
-LONE_FAILURE = '''
-import time, gluon_syncbn
-gluon_syncbn.configure_cpu_contexts(2)
-import mxnet as mx
-from mxnet import autograd
-from gluon_syncbn import native
-ctxs = [mx.cpu(0), mx.cpu(1)]
-bn = gluon_syncbn.SyncBatchNorm(in_channels=3, timeout=60)
-bn.initialize(ctx=ctxs)
-group = bn._backend_for(bn.gamma.list_ctx())
-op = native.exchange_operator()[mx.nd]
-packs, outs = [], []
-with autograd.record():
-    for c, req in zip(ctxs, ('add', 'write')):
-        packed = mx.nd.concat(mx.nd.zeros(6, ctx=c), mx.nd.ones(6, ctx=c),
-                              mx.nd.zeros(3, ctx=c), dim=0)
-        # cpu(0)'s backward is asked to add to its input's gradient, which
-        # the operator cannot do: that call fails on its own.
-        packed.attach_grad(grad_req=req)
-        packs.append(packed)
-        outs.append(op(packed, mx.nd.ones((2, 3, 2, 2), ctx=c), bn.gamma.data(c),
-                       bn.beta.data(c), bn.running_mean.data(c), bn.running_var.data(c),
-                       group=group.handle, eps=1e-5, momentum=0.9, fix_gamma=False,
-                       static_shape=False, axis=1, input_dtype='float32'))
-start = time.time()
-autograd.backward(outs)
-for i, p in enumerate(packs):
-    try:
-        p.grad.wait_to_read()
-        print('DEVICE%d ok' % i)
-    except mx.base.MXNetError as exc:
-        print('DEVICE%d %s' % (i, str(exc).splitlines()[0]))
-print('SECONDS', time.time() - start)
-'''
-
-
-def test_a_lone_failure_of_the_exchange_operator_fails_its_step():
-    # The other device's backward fails at once with the cause, not at the
-    # layer's timeout (60 s), and the message names the device that failed.
-    out = python(LONE_FAILURE, GLUON_SYNCBN_BACKEND='exchange')
-    assert out.returncode == 0, out.stderr[-3000:]
-    cause = ("SyncBatchNorm 'syncbatchnorm0': exchanging the statistics failed: on cpu(0) the "
-             "exchange operator was asked to add to its input's gradient, which it cannot")
-    assert cause in reported(out, 'DEVICE0'), out.stdout
-    assert cause in reported(out, 'DEVICE1'), out.stdout
-    assert float(reported(out, 'SECONDS')) < 30
-
-
 TIMED_OUT = '''
 import gluon_syncbn
 gluon_syncbn.configure_cpu_contexts(2)

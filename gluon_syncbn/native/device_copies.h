@@ -90,10 +90,11 @@ struct HostBuffer {
 class DeviceCopies {
  public:
   // `staging`: one buffer per array slot, this layer's on this device, kept
-  // by the caller.
-  DeviceCopies(const mxnet::Context& ctx, std::vector<HostBuffer>* staging)
+  // by the caller; `device`: its name in messages ("gpu(1)").
+  DeviceCopies(const mxnet::Context& ctx, const std::string& device,
+               std::vector<HostBuffer>* staging)
       : through_cuda_(ctx.dev_type == mxnet::Context::kGPU || g_copy_host_memory),
-        dev_id_(ctx.dev_id), staging_(staging) {}
+        dev_id_(ctx.dev_id), device_(device), staging_(staging) {}
 
   bool through_cuda() const { return through_cuda_; }
 
@@ -160,14 +161,14 @@ class DeviceCopies {
 
   bool runtime(std::string* error) const {
     if (cuda_runtime().found()) return true;
-    *error = "the CUDA runtime's functions (cudaMemcpyAsync and others) were not found in "
-             "this process, though MXNet runs on a GPU here";
+    *error = "on " + device_ + " the CUDA runtime's functions (cudaMemcpyAsync and others) "
+             "were not found in this process, though MXNet runs on a GPU here";
     return false;
   }
 
   bool check(int status, const char* what, std::string* error) const {
     if (status == 0) return true;
-    *error = std::string(what) + " on device " + std::to_string(dev_id_) + " failed: " +
+    *error = std::string(what) + " on " + device_ + " failed: " +
              cuda_runtime().get_error_string(status);
     return false;
   }
@@ -222,6 +223,7 @@ class DeviceCopies {
 
   const bool through_cuda_;
   const int dev_id_;
+  const std::string device_;
   std::vector<HostBuffer>* staging_;
 };
 

@@ -177,7 +177,8 @@ struct ExchangeCall : SyncCall {
                const mxnet::Context& device)
       : SyncCall(ptr, ptr.get_state<ExchangeState>(), ctx),
         state(ptr.get_state<ExchangeState>()),
-        copies(device, &ptr.get_state<ExchangeState>().staging->buffers) {}
+        copies(device, op.group->devices[op.device],
+               &ptr.get_state<ExchangeState>().staging->buffers) {}
 
   // The images written back, the call completed.
   void finish() {
