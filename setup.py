@@ -4,6 +4,12 @@ import os
 from setuptools import find_packages, setup
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+# Every requirement carries this marker: on Python 3.12 and later the pip
+# those Pythons ship (23.2.1 with 3.12.1, 24.2 with 3.13.0) would otherwise
+# resolve NumPy < 1.24 first, build it from source and fail there ("No module
+# named 'distutils'") instead of saying that this package needs another
+# Python (python_requires below), which it says once nothing is left to build.
+SUPPORTED = '; python_version < "3.12"'
 EXAMPLES = ['tqdm', 'matplotlib', 'pillow']
 # The CUDA 11 runtime libraries mxnet-cu112's libmxnet.so links against, one
 # wheel each (each provides the soname it asks for); pinned to the versions
@@ -27,14 +33,15 @@ setup(
     long_description=open(os.path.join(HERE, 'README.md')).read(),
     long_description_content_type='text/markdown',
     packages=find_packages(include=['gluon_syncbn', 'gluon_syncbn.*']),
-    # The native operator's source: compiled at first import (gluon_syncbn/native).
+    # The native library's source: compiled at a layer's first synchronized
+    # call (gluon_syncbn/native).
     package_data={'gluon_syncbn': ['native/*.cc', 'native/*.h']},
     # MXNet 1.9.1 uses np.bool, removed in NumPy 1.24, and NumPy < 1.24 has
     # no wheels for Python 3.12 or later (its source build needs distutils,
     # gone in 3.12); MXNet 1.9.1 does not import with NumPy 1.26 either.
     python_requires='>=3.7, <3.12',
-    install_requires=['numpy<1.24'],
-    extras_require={
+    install_requires=['numpy<1.24' + SUPPORTED],
+    extras_require={name: [r + SUPPORTED for r in requirements] for name, requirements in {
         # Pick one MXNet build. The GPU wheel's libmxnet.so needs the CUDA 11
         # runtime libraries below (gluon_syncbn.cuda_libs preloads them) and the
         # NVIDIA driver's libcuda.so.1, which no wheel provides.
@@ -44,7 +51,7 @@ setup(
         'examples': EXAMPLES,
         # the suite runs the example and the benchmarks' measurement helpers
         'test': ['pytest>=7', 'pytest-timeout>=2', 'psutil'] + EXAMPLES,
-    },
+    }.items()},
     classifiers=[
         'Programming Language :: Python :: 3',
         'License :: OSI Approved :: Apache Software License',

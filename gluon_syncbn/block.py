@@ -149,7 +149,8 @@ class SyncBatchNorm(HybridBlock):
         return len(self._devices())
 
     def hybridize(self, active=True, **kwargs):
-        # Remembered for the operator: see SyncBatchNormOp._update_running.
+        # Remembered for the operators: static_shape graphs hold the running
+        # statistics as read-only inputs (mxnet_private, "Raw memory").
         self._static_shape = bool(active and kwargs.get('static_shape', False))
         super(SyncBatchNorm, self).hybridize(active, **kwargs)
 

@@ -21,15 +21,16 @@ Raw memory
       holds until it completes (``native/async_op.h``).
     * ``mxnet::Context`` is ``{int32 dev_type, int32 dev_id}`` (the native
       operators pass one to ``MXEnginePushSyncND``).
-    * static_shape graphs register a custom operator's auxiliary states as
-      read-only inputs, so running statistics there are updated by engine
-      operations on the Parameter's own arrays, read-modify-write in engine
-      order (``backends/python_op.py`` _update_running, through
-      ``_mul_scalar`` and ``elemwise_add``; ``native/exchange_op.h``
-      queue_running_updates, through ``_linalg_gemm``); the native operators'
-      states share one engine variable per layer and device
-      (``native/sync_call.h`` layer_variable), which orders a layer's calls
-      there.
+    * static_shape graphs register an operator's auxiliary states and
+      mutable inputs as read-only inputs, so the Python operator updates
+      running statistics there by engine operations on the Parameter's own
+      arrays, read-modify-write in engine order (``backends/python_op.py``
+      _update_running, through ``_mul_scalar`` and ``elemwise_add``); the
+      native operators' states share one engine variable per layer and device
+      (``native/sync_call.h`` layer_variable), which orders a layer's calls,
+      and their updates inside them, there. Nothing orders a predict graph's
+      read after them, so ``hooks`` waits for the engine when a static_shape
+      block changes mode.
 
 Failures
     * A custom-operator callback that fails (raises, in the Python operator)
@@ -78,6 +79,12 @@ Class patches (``hooks``, installed when it is imported: ``hooks.install``)
     that must run before MXNet's own.
     ``HybridBlock._active`` is lowered for one call with an empty input, so
     the tree runs imperatively (``hooks._forward_imperatively``).
+    A hybridized block keeps a graph for each mode (``hooks._use_graph_for_mode``):
+    Gluon's ``_build_cache`` and ``_clear_cached_op``, the attributes that make
+    up a cached graph (``_cached_graph``, ``_cached_op``, ``_cached_op_args``,
+    ``_in_format``, ``_out_format``), ``_flags`` (``static_shape``), and the
+    names its trace gives the block's inputs (``data``, or ``data0``,
+    ``data1``, ...: ``hooks.traced_ndim``).
     ``Trainer._init_params`` (the first step's broadcast of every parameter
     from device 0) first drains the engine (``hooks.install_trainer_hook``).
 

@@ -43,6 +43,17 @@ CASES = {
                                deferred=True),
     'N2-deferred-static': dict(shape=[6, 3, 4, 5], sizes=[2, 4], hybridize='static',
                                deferred=True),
+    # hybridized graphs whose trace cannot tell the input's number of dimensions
+    'N3-5d-hybrid-ndim-unknown': dict(shape=[7, 4, 3, 2, 2], sizes=[1, 2, 4], hybridize=True,
+                                      ndim_unknown=True),
+    'N2-nhwc-static-ndim-unknown': dict(shape=[6, 5, 4, 3], sizes=[3, 3], axis=-1,
+                                        hybridize='static', ndim_unknown=True),
+    'N3-axis3-hybrid-ndim-unknown': dict(shape=[7, 4, 4, 6], sizes=[4, 2, 1], axis=3,
+                                         hybridize=True, ndim_unknown=True),
+    'N4-2d-hybrid-ndim-unknown': dict(shape=[8, 6], sizes=[2, 2, 2, 2], hybridize=True,
+                                      ndim_unknown=True),
+    'N2-axis-2-hybrid-ndim-unknown': dict(shape=[6, 3, 5, 4], sizes=[2, 4], axis=-2,
+                                          hybridize=True, ndim_unknown=True),
     # NumPy mode (npx.set_np(), mx.np arrays in and out)
     'N3-numpy': dict(shape=[7, 3, 4, 5], sizes=[3, 2, 2], numpy_mode=True),
     'N2-numpy-hybrid-nhwc': dict(shape=[6, 5, 4, 3], sizes=[1, 5], axis=-1, hybridize=True,

@@ -247,7 +247,8 @@ void exchange_op_forward(const mxnet::OpStatePtr& state, const mxnet::OpContext&
   for (size_t ch = 0; ch < m2.size(); ++ch) c->state.local_mean[ch] += m2[ch];
   c->state.gamma = gamma;
   c->state.count = C > 0 ? static_cast<double>(in[kData].shape().Size()) / C : 0.0;
-  c->keep = {in[kM1], reads[kM1], in[kRunningMean], in[kRunningVar], out[0], out[1]};
+  c->keep = reads;  // what the continuation writes, alive until the call completes
+  c->keep.insert(c->keep.end(), {in[kM1], out[0], out[1]});
   if (!c->train) {  // predict mode: the running statistics, no backward through it
     c->op.stats = running_statistics(h[kRunningMean], h[kRunningVar]);
     return finish_forward(c, m1, gamma, beta, c->op.stats);
