@@ -144,6 +144,7 @@ def _forward_imperatively(block, args):
 # What a hybridized block's cached graph is: Gluon's attributes for it.
 _GRAPH_ATTRIBUTES = ('_cached_graph', '_cached_op', '_cached_op_args', '_in_format',
                      '_out_format')
+_OP = _GRAPH_ATTRIBUTES.index('_cached_op')
 _tracing = threading.local()
 _switch_lock = threading.Lock()
 
@@ -165,7 +166,7 @@ def traced_ndim(symbol):
 
 def tracing_for_prediction():
     """Whether the graph being traced now will only ever run in predict mode
-    (see :func:`install_cached_op_hook`)."""
+    (see :func:`_use_graph_for_mode`)."""
     return getattr(_tracing, 'prediction', False)
 
 
@@ -214,7 +215,7 @@ def _use_graph_for_mode(block, args, training):
     a training call's update of them against a predict call's read: a change
     of mode there first waits for the engine."""
     graphs = block.__dict__.get('_gluon_syncbn_graphs')
-    if graphs is not None and block._cached_op is not graphs[graphs['mode']][1]:
+    if graphs is not None and block._cached_op is not graphs[graphs['mode']][_OP]:
         graphs = block._gluon_syncbn_graphs = None  # cleared or rebuilt by Gluon
     if graphs is None:
         if block._cached_op is not None:
@@ -224,7 +225,11 @@ def _use_graph_for_mode(block, args, training):
             return
         graphs = {'mode': True, True: [getattr(block, a) for a in _GRAPH_ATTRIBUTES]}
         block._clear_cached_op()
-        _build(block, args, prediction=True)
+        try:
+            _build(block, args, prediction=True)
+        except BaseException:
+            block._clear_cached_op()  # no half-built pair: the next call traces both again
+            raise
         graphs[False] = [getattr(block, a) for a in _GRAPH_ATTRIBUTES]
         graphs['mode'] = False
         block._gluon_syncbn_graphs = graphs

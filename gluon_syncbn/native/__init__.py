@@ -27,6 +27,8 @@ and ``libmxnet.so`` that ship in the mxnet wheel, into
 ``libmxnet.so`` (its path, size and time: CPU and GPU environments sharing a
 cache never share a build or a self-test verdict) and source, so an upgrade or
 an edit rebuilds it and concurrent processes never load a half-written file.
+It and its verdicts are used only where nobody else can change them
+(:mod:`.cache`).
 """
 import hashlib
 import os
@@ -38,14 +40,18 @@ import tempfile
 import threading
 
 from .. import messages
+from ..errors import warn_user
+from . import cache
+from .cache import CACHE_VARIABLE
 from .library import Library
 
 __all__ = ['load', 'async_operator', 'exchange_operator', 'status']
 
 ASYNC_OP = '_gluon_syncbn_sync'
 EXCHANGE_OP = '_gluon_syncbn_exchange'
-CACHE_VARIABLE = 'GLUON_SYNCBN_CACHE'
 SELFTEST_VARIABLE = 'GLUON_SYNCBN_SELFTEST'  # set in the self-test's own process
+# The library a self-test's process tests: the one its parent loaded.
+SELFTEST_LIBRARY_VARIABLE = 'GLUON_SYNCBN_SELFTEST_LIBRARY'
 # The path of a C++ file of the tests' entry points (tests/native_testing.h),
 # compiled into a build of its own; unset, empty or '0' in users' builds.
 TESTING_VARIABLE = 'GLUON_SYNCBN_TESTING'
@@ -64,7 +70,7 @@ BUILD_SECONDS = 300
 SELFTEST_SECONDS = 120
 
 # What load() and the operators' registration found (see _once).
-_state = {'path': None, 'why_not': None, 'verdicts': {}}
+_state = {'path': None, 'digest': None, 'why_not': None, 'verdicts': {}}
 _lock = threading.RLock()
 
 
@@ -105,8 +111,9 @@ def _flags():
     return FLAGS + (['-DGSBN_TESTING="%s"' % source] if source else [])
 
 
-def library_path():
-    """Where the library for this libmxnet.so, this source and these flags lives."""
+def library_path(cache_root=None):
+    """Where the library for this libmxnet.so, this source and these flags
+    lives, in ``cache_root`` (default: the cache's, :func:`cache.root`)."""
     mx_dir, version = _mxnet_dir()
     digest = hashlib.sha256(' '.join(_flags()).encode())
     digest.update(b'\0' + mxnet_identity(mx_dir).encode() + b'\0')
@@ -117,10 +124,8 @@ def library_path():
         with open(source, 'rb') as f:
             digest.update(os.path.basename(source).encode() + b'\0' + f.read())
     digest = digest.hexdigest()[:16]
-    cache = os.environ.get(CACHE_VARIABLE) or os.path.join(
-        os.environ.get('XDG_CACHE_HOME') or os.path.join(os.path.expanduser('~'), '.cache'),
-        'gluon_syncbn')
-    return os.path.join(cache, 'mxnet-%s' % version, 'libgluon_syncbn-%s.so' % digest)
+    return os.path.join(cache_root or cache.root(), 'mxnet-%s' % version,
+                        'libgluon_syncbn-%s.so' % digest)
 
 
 def _mkldnn():
@@ -128,8 +133,9 @@ def _mkldnn():
     return int(mxnet.runtime.Features().is_enabled('MKLDNN'))
 
 
-def build(path):
-    """Compile ``syncbn.cc`` into ``path``; raise NativeUnavailable with the reason."""
+def build(path, cache_root):
+    """Compile ``syncbn.cc`` into ``path`` (its missing directories up to
+    ``cache_root`` made 0700); raise NativeUnavailable with the reason."""
     mx_dir, _ = _mxnet_dir()
     header = os.path.join(mx_dir, 'include', 'mxnet', 'c_api.h')
     if not os.path.exists(header):
@@ -137,7 +143,7 @@ def build(path):
     compiler = os.environ.get('CXX') or 'g++'
     if shutil.which(compiler) is None:
         raise NativeUnavailable('no C++ compiler: %r was not found (set CXX to one)' % compiler)
-    os.makedirs(os.path.dirname(path), exist_ok=True)
+    cache.make_directories(os.path.dirname(path), cache_root)
     fd, tmp = tempfile.mkstemp(suffix='.so', dir=os.path.dirname(path))
     os.close(fd)
     include = os.path.join(mx_dir, 'include')
@@ -180,9 +186,7 @@ def load():
 
 def _load():
     try:
-        path = library_path()
-        if not os.path.exists(path):
-            build(path)
+        path = _trusted_library()
         lib = Library(path, testing=_testing_source() is not None)
         lib.init(messages.TEMPLATES)
         _state['path'] = path
@@ -190,6 +194,43 @@ def _load():
     except (NativeUnavailable, OSError) as exc:
         _state['why_not'] = str(exc)
         return None
+
+
+def _trusted_library():
+    """The library's path, built where needed, where nobody else can change
+    it or its verdicts (:mod:`.cache`): in the cache, or after one warning in
+    a private place; its digest kept in ``_state``. Raises NativeUnavailable
+    where no place can be trusted."""
+    root, path = cache.root(), os.environ.get(SELFTEST_LIBRARY_VARIABLE)
+    if path:  # a self-test's process: its parent's library, whose root is two levels up
+        root = os.path.dirname(os.path.dirname(path))
+    else:
+        path = library_path(root)
+    why = cache.untrusted(path, root)
+    if why:
+        private = cache.private_root(root)
+        path = library_path(private)
+        warn_user('gluon_syncbn: the native library is not loaded from %s, since %s: '
+                  'somebody else could change the code every training job loads. It is '
+                  'built in %s instead. Set %s to a directory only you can write.'
+                  % (root, why, private, CACHE_VARIABLE))
+        root = private
+        why = cache.untrusted(path, root)
+        if why:
+            raise NativeUnavailable('no place to keep it can be trusted: %s' % why)
+    if os.path.exists(path):
+        digest = cache.digest(path)
+        stale = [m for m in cache.verdicts(path) if cache.read_verdict(m)[0] not in (None, digest)]
+        if stale:
+            warn_user('gluon_syncbn: %s is not the library its self-test verdict %s was '
+                      'reached on: it is not loaded, but built again.' % (path, stale[0]))
+            os.remove(path)
+    if not os.path.exists(path):
+        for marker in cache.verdicts(path):
+            os.remove(marker)  # verdicts on a library that is gone
+        build(path, root)
+    _state['digest'] = cache.digest(path)
+    return path
 
 
 def _register(part):
@@ -256,16 +297,14 @@ def _selftest(path, part):
     if os.environ.get(SELFTEST_VARIABLE) == '1':
         return 'ok'  # this is the self-test's process
     marker = '%s.%s%s.selftest' % (path, part, _driver_tag() if part == 'exchange' else '')
-    if not os.path.exists(marker):
+    kept = cache.read_verdict(marker) if os.path.exists(marker) else (None, None)
+    if kept[0] != _state['digest']:  # none yet, or one an older version kept without a digest
         verdict, definite = run_selftest(part)
         if not definite:
             return verdict
-        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(marker))
-        with os.fdopen(fd, 'w') as f:
-            f.write(verdict)
-        os.replace(tmp, marker)
-    with open(marker) as f:
-        verdict = f.read()
+        cache.write_verdict(marker, _state['digest'], verdict)
+        kept = (_state['digest'], verdict)
+    verdict = kept[1]
     return verdict if verdict == 'ok' else '%s; see %s' % (verdict.strip()[-300:], marker)
 
 
@@ -275,7 +314,9 @@ def run_selftest(part):
     try:
         proc = subprocess.run([sys.executable, '-m', 'gluon_syncbn.selftest', part],
                               capture_output=True, text=True, timeout=SELFTEST_SECONDS,
-                              env=dict(os.environ, **{SELFTEST_VARIABLE: '1'}))
+                              env=dict(os.environ, **{SELFTEST_VARIABLE: '1'},
+                                       **({SELFTEST_LIBRARY_VARIABLE: _state['path']}
+                                          if _state['path'] else {})))
     except subprocess.TimeoutExpired:
         return 'it took more than %gs%s' % (SELFTEST_SECONDS, RETRIED % SELFTEST_SECONDS), False
     output = (proc.stderr or proc.stdout)[-500:]
