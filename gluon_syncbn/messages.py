@@ -28,9 +28,9 @@ TEMPLATES = {
     'wrong_device':
         "SyncBatchNorm '{layer}' was called on {device}, but its parameters live on {devices}. "
         "Initialize the network on every context you feed.",
-    'unknown_group':
-        "SyncBatchNorm group '{group}' is unknown: the layer was deleted or its graph was "
-        "loaded into another process. Use revert_model() before export.",
+    'unknown_layer':
+        "SyncBatchNorm layer handle '{layer}' is unknown: the layer was deleted or its graph "
+        "was loaded into another process. Use revert_model() before export.",
     'dtypes_disagree':
         "SyncBatchNorm {layers}: devices disagree on the input dtype: {dtypes}. Cast every "
         "slice to the same dtype.",

@@ -63,8 +63,8 @@ def main(part):
 def check_async(lib, x, w, gamma, beta, eps, expected):
     """The asynchronous operator on one CPU context."""
     ops = native.async_operator()
-    group = lib.create_group('selftest', ['cpu(0)'], 60.0, '', [0], 1)
-    kwargs = dict(group=group, eps=eps, momentum=0.9, fix_gamma=False, axis=1,
+    handle = lib.create_layer('selftest', ['cpu(0)'], 60.0, '', [0], 1)
+    kwargs = dict(layer=handle, eps=eps, momentum=0.9, fix_gamma=False, axis=1,
                   input_dtype='float64')
 
     class Layer(gluon.HybridBlock):
@@ -84,7 +84,7 @@ def check_async(lib, x, w, gamma, beta, eps, expected):
         y.backward(mx.nd.array(w, dtype='float64'))
         compare('the asynchronous operator', hybridize,
                 [y] + [a.grad for a in arrays] + running, expected)
-    lib.remove_group(group)
+    lib.remove_layer(handle)
 
 
 def check_exchange(x, w, gamma, beta, eps, expected):

@@ -136,7 +136,7 @@ int64_t gsbn_test_count(const char* what, int transport) {
   }
   std::lock_guard<std::mutex> lock(g_mutex);
   int64_t n = 0;
-  for (auto& g : live_groups_locked()) n += static_cast<int64_t>(g->meetings.size());
+  for (auto& g : live_layers_locked()) n += static_cast<int64_t>(g->meetings.size());
   return n;
 }
 

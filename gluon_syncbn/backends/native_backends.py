@@ -1,8 +1,8 @@
 """The native backends: the asynchronous operator (CPU contexts) and the
 exchange operator (GPUs), both in the native session (``native/``).
 
-A layer's group there is an integer handle, created with the backend and
-removed with it; the operators take it as their ``group`` argument.
+A layer's state there is an integer handle, created with the backend and
+removed with it; the operators take it as their ``layer`` argument.
 """
 import weakref
 
@@ -12,8 +12,8 @@ from .vector_graph import VectorBackend
 __all__ = ['AsyncBackend', 'ExchangeBackend']
 
 
-def native_group(backend, lib):
-    """The handle of ``backend``'s group in the native session, created now
+def native_layer(backend, lib):
+    """The handle of ``backend``'s layer in the native session, created now
     and removed when the backend goes. Across processes its sums leave
     through the transport's native twin, where a sync group spans workers."""
     transport, owners = backend.transport, ()
@@ -30,11 +30,11 @@ def native_group(backend, lib):
                 # global numbering: every device owned once.
                 owners = [1.0 if rank * local <= d < (rank + 1) * local else 0.0
                           for d in range(local * workers)]
-    handle = lib.create_group(backend.layer_name, backend.devices, backend.timeout,
+    handle = lib.create_layer(backend.layer_name, backend.devices, backend.timeout,
                               backend.hint, backend.sync_group_of, len(backend.sync_groups),
                               twin, owners)
-    # Not at interpreter exit: the exit hook still needs the group then.
-    weakref.finalize(backend, lib.remove_group, handle).atexit = False
+    # Not at interpreter exit: the exit hook still needs the layer then.
+    weakref.finalize(backend, lib.remove_layer, handle).atexit = False
     return handle
 
 
@@ -42,7 +42,7 @@ def _arguments(backend, handle):
     """The operator's arguments that never change, as the strings MXNet
     would make of them at every call."""
     kwargs = backend.kwargs
-    return dict(group=str(handle), eps=str(kwargs['eps']), momentum=str(kwargs['momentum']),
+    return dict(layer=str(handle), eps=str(kwargs['eps']), momentum=str(kwargs['momentum']),
                 fix_gamma=str(kwargs['fix_gamma']), axis=str(kwargs['axis']), name='sync')
 
 
@@ -57,7 +57,7 @@ class AsyncBackend(Backend):
     def __init__(self, layer, devices, transport, lib, functions):
         super(AsyncBackend, self).__init__(layer, devices, transport)
         self._functions = functions
-        self.handle = native_group(self, lib)
+        self.handle = native_layer(self, lib)
         self._arguments = _arguments(self, self.handle)
 
     def forward(self, F, x, gamma, beta, running_mean, running_var, dtype, static_shape,
@@ -77,7 +77,7 @@ class ExchangeBackend(VectorBackend):
     def __init__(self, layer, devices, transport, lib, functions):
         super(ExchangeBackend, self).__init__(layer, devices, transport)
         self._functions = functions
-        self.handle = native_group(self, lib)
+        self.handle = native_layer(self, lib)
         self._arguments = _arguments(self, self.handle)
 
     def _exchange(self, F, m1, m2, v, data, gamma, beta, running_mean, running_var, dtype,

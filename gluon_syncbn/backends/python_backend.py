@@ -87,7 +87,7 @@ class PythonBackend(VectorBackend):
         kwargs = self.kwargs
         scale, shift, _ = F.Custom(
             m1, m2, v, F.BlockGrad(F.shape_array(data)), gamma, beta, running_mean,
-            running_var, op_type=python_op.OP_TYPE, group=self.handle, eps=kwargs['eps'],
+            running_var, op_type=python_op.OP_TYPE, layer=self.handle, eps=kwargs['eps'],
             momentum=kwargs['momentum'], fix_gamma=kwargs['fix_gamma'], axis=kwargs['axis'],
             static_shape=static_shape, input_dtype=dtype, name='sync')
         return scale, shift

@@ -41,7 +41,7 @@ _handles = itertools.count(1)
 
 
 def register(backend):
-    """A handle for ``backend``, the operator's ``group`` argument."""
+    """A handle for ``backend``, the operator's ``layer`` argument."""
     handle = next(_handles)
     _backends[handle] = backend
     return handle
@@ -50,7 +50,7 @@ def register(backend):
 def _backend(handle):
     backend = _backends.get(int(handle))
     if backend is None:
-        raise SyncBatchNormError(messages.text('unknown_group', group=handle))
+        raise SyncBatchNormError(messages.text('unknown_layer', layer=handle))
     return backend
 
 
@@ -188,10 +188,10 @@ class SyncBatchNormProp(mx.operator.CustomOpProp):
     other custom operators that rely on the default.
     """
 
-    def __init__(self, group, eps, momentum, fix_gamma, axis, static_shape='False',
+    def __init__(self, layer, eps, momentum, fix_gamma, axis, static_shape='False',
                  input_dtype='float32'):
         super(SyncBatchNormProp, self).__init__(need_top_grad=True)
-        self.handle = group
+        self.handle = layer
         self.eps = float(eps)
         self.momentum = float(momentum)
         self.fix_gamma = fix_gamma in ('True', 'true', '1')

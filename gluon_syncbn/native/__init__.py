@@ -47,7 +47,7 @@ from .library import Library
 
 __all__ = ['load', 'async_operator', 'exchange_operator', 'status']
 
-ASYNC_OP = '_gluon_syncbn_sync'
+ASYNC_OP = '_gluon_syncbn_async'
 EXCHANGE_OP = '_gluon_syncbn_exchange'
 SELFTEST_VARIABLE = 'GLUON_SYNCBN_SELFTEST'  # set in the self-test's own process
 # The library a self-test's process tests: the one its parent loaded.

@@ -25,14 +25,14 @@
 
 namespace {
 
-const char* ASYNC_OP = "_gluon_syncbn_sync";
-const char* ASYNC_BACKWARD_OP = "_backward_gluon_syncbn_sync";
+const char* ASYNC_OP = "_gluon_syncbn_async";
+const char* ASYNC_BACKWARD_OP = "_backward_gluon_syncbn_async";
 
 mxnet::OpStatePtr async_create_state(const nnvm::NodeAttrs& attrs, mxnet::Context ctx,
                                      const mxnet::ShapeVector& in_shapes,
                                      const std::vector<int>&) {
   // the channel count: gamma's shape, as shape inference set it
-  return create_state(new Op(), attrs, ctx, in_shapes[1].Size());
+  return create_state(new NodeState(), attrs, ctx, in_shapes[1].Size());
 }
 
 struct AsyncForward : SyncCall {
@@ -53,8 +53,8 @@ struct AsyncBackward : SyncCall {
 void async_forward(const mxnet::OpStatePtr& state, const mxnet::OpContext& ctx,
                    const std::vector<mxnet::NDArray>& in, const std::vector<mxnet::OpReqType>& req,
                    const std::vector<mxnet::NDArray>& out) {
-  auto c = std::make_shared<AsyncForward>(state, state.get_state<Op>(), ctx);
-  const Params& p = c->op.params;
+  auto c = std::make_shared<AsyncForward>(state, state.get_state<NodeState>(), ctx);
+  const Params& p = c->node.params;
   const mxnet::NDArray x_nd = plain(in[0]);
   c->x = array_of(x_nd);
   c->gamma = array_of(in[1]);
@@ -67,7 +67,7 @@ void async_forward(const mxnet::OpStatePtr& state, const mxnet::OpContext& ctx,
   if (!ctx.is_train) {  // predict mode inside a graph: the running statistics
     normalize(p, c->l, c->x, c->gamma, c->beta, running_statistics(c->rmean, c->rvar), c->y,
               c->write);
-    c->op.stats = Info();
+    c->node.stats = Info();
     return c->complete();
   }
   std::vector<double> contribution = slice_contribution(c->l, c->x);
@@ -75,7 +75,7 @@ void async_forward(const mxnet::OpStatePtr& state, const mxnet::OpContext& ctx,
   c->keep = {x_nd, in[1], in[2], in[3], in[4], out[0]};
   c->exchange_forward(contribution, [c](const Info& stats) {
     c->finish_on(c->x.size(), [c, stats]() {
-      const Params& p = c->op.params;
+      const Params& p = c->node.params;
       update_running(p, c->rmean, c->rvar, stats);  // mutable inputs: ours to write
       normalize(p, c->l, c->x, c->gamma, c->beta, stats, c->y, c->write);
       c->complete();
@@ -87,7 +87,7 @@ void async_backward(const mxnet::OpStatePtr& state, const mxnet::OpContext& ctx,
                     const std::vector<mxnet::NDArray>& in,
                     const std::vector<mxnet::OpReqType>& req,
                     const std::vector<mxnet::NDArray>& out) {
-  auto c = std::make_shared<AsyncBackward>(state, state.get_state<Op>(), ctx);
+  auto c = std::make_shared<AsyncBackward>(state, state.get_state<NodeState>(), ctx);
   const mxnet::NDArray dy_nd = plain(in[0]), x_nd = plain(in[1]);
   c->dy = array_of(dy_nd);
   c->x = array_of(x_nd);
@@ -97,14 +97,14 @@ void async_backward(const mxnet::OpStatePtr& state, const mxnet::OpContext& ctx,
   c->dbeta = array_of(out[2]);
   c->reqs = {req[0], req[1], req[2]};
   if (!c->has_forward(c->dy.dtype)) return;
-  c->l = Layout(c->x.shape, c->op.params.axis);
+  c->l = Layout(c->x.shape, c->node.params.axis);
   backward_sums(c->l, c->dy, c->x, c->stats, &c->sum_dy, &c->sum_dy_xc);
   if (!c->current()) return;
   c->keep = {dy_nd, x_nd, in[2], out[0], out[1], out[2]};
   c->exchange_backward(pack_backward(c->sum_dy, c->sum_dy_xc),
                        [c](const std::vector<double>& total) {
     c->finish_on(c->x.size(), [c, total]() {
-      write_gradients(c->op.params, c->l, c->dy, c->x, c->gamma, c->stats, total, c->sum_dy,
+      write_gradients(c->node.params, c->l, c->dy, c->x, c->gamma, c->stats, total, c->sum_dy,
                       c->sum_dy_xc, c->dx, c->dgamma, c->dbeta, c->reqs.data());
       c->complete();
     });

@@ -88,11 +88,11 @@ std::shared_ptr<LayerStaging> layer_staging(const LayerKey& key) {
   return staging;
 }
 
-// The layer of `group` was garbage-collected (gsbn_group_remove).
-void forget_layer_staging(const GroupId& group) {
+// The layer `layer` was garbage-collected (gsbn_layer_remove).
+void forget_layer_staging(const LayerId& layer) {
   std::lock_guard<std::mutex> lock(g_staging_mutex);
-  g_staging.erase(g_staging.lower_bound(layer_key(group, INT_MIN)),
-                  g_staging.upper_bound(layer_key(group, INT_MAX)));
+  g_staging.erase(g_staging.lower_bound(layer_key(layer, INT_MIN)),
+                  g_staging.upper_bound(layer_key(layer, INT_MAX)));
 }
 
 size_t staging_layers() {
@@ -150,7 +150,7 @@ class DeviceThread {
   std::deque<std::function<void()>> queue_;
 };
 
-struct ExchangeState : Op {
+struct ExchangeState : NodeState {
   std::vector<double> m1, local_mean, gamma;  // the forward's, for the backward call
   double count = 0;
   std::shared_ptr<LayerStaging> staging;
@@ -162,7 +162,7 @@ mxnet::OpStatePtr exchange_create_state(const nnvm::NodeAttrs& attrs, mxnet::Con
   auto* state = new ExchangeState();
   // the channel count: gamma's shape, as shape inference set it
   mxnet::OpStatePtr ptr = create_state(state, attrs, ctx, in_shapes[kGamma].Size());
-  state->staging = layer_staging(layer_key(state->params.group_id, state->device));
+  state->staging = layer_staging(layer_key(state->params.layer_id, state->device));
   return ptr;
 }
 
@@ -177,7 +177,7 @@ struct ExchangeCall : SyncCall {
                const mxnet::Context& device)
       : SyncCall(ptr, ptr.get_state<ExchangeState>(), ctx),
         state(ptr.get_state<ExchangeState>()),
-        copies(device, op.group->devices[op.device],
+        copies(device, node.layer->devices[node.device],
                &ptr.get_state<ExchangeState>().staging->buffers) {}
 
   // The images written back, the call completed.
@@ -191,7 +191,7 @@ struct ExchangeCall : SyncCall {
   // another device's thread got here first, else here and now.
   void finish_on_device(std::function<void()> fn) {
     if (copies.through_cuda() && std::this_thread::get_id() != issuer)
-      return DeviceThread::run(op.dev_id, guard(std::move(fn)));
+      return DeviceThread::run(node.dev_id, guard(std::move(fn)));
     fn();
   }
 };
@@ -206,7 +206,7 @@ struct ExchangeForward : ExchangeCall {
 void finish_forward(const std::shared_ptr<ExchangeForward>& c, const std::vector<double>& m1,
                     const std::vector<double>& gamma, const std::vector<double>& beta,
                     const Info& stats) {
-  const Params& p = c->op.params;
+  const Params& p = c->node.params;
   std::vector<double> scale, shift;
   normalize_coefficients(p, stats, m1, gamma, beta, &scale, &shift);
   for (size_t ch = 0; ch < scale.size(); ++ch) {
@@ -225,7 +225,7 @@ void exchange_op_forward(const mxnet::OpStatePtr& state, const mxnet::OpContext&
   auto c = std::make_shared<ExchangeForward>(state, ctx, in[kM2].ctx());
   const int64_t C = static_cast<int64_t>(in[kGamma].shape().Size());
   if (req[0] == kAddTo || req[1] == kAddTo)
-    return c->fail_call("on " + c->op.group->devices[c->op.device] + " the exchange operator "
+    return c->fail_call("on " + c->node.layer->devices[c->node.device] + " the exchange operator "
                         "was asked to add to its output, which it cannot");
   c->train = ctx.is_train;
   if (c->train && !c->number()) return;
@@ -250,8 +250,8 @@ void exchange_op_forward(const mxnet::OpStatePtr& state, const mxnet::OpContext&
   c->keep = reads;  // what the continuation writes, alive until the call completes
   c->keep.insert(c->keep.end(), {in[kM1], out[0], out[1]});
   if (!c->train) {  // predict mode: the running statistics, no backward through it
-    c->op.stats = running_statistics(h[kRunningMean], h[kRunningVar]);
-    return finish_forward(c, m1, gamma, beta, c->op.stats);
+    c->node.stats = running_statistics(h[kRunningMean], h[kRunningVar]);
+    return finish_forward(c, m1, gamma, beta, c->node.stats);
   }
   c->exchange_forward(forward_contribution(c->state.count, m1, m2, v),
                       [c, m1, gamma, beta](const Info& stats) {
@@ -288,7 +288,7 @@ void exchange_op_backward(const mxnet::OpStatePtr& state, const mxnet::OpContext
     return c->fail_call(error);
   std::vector<double> gamma = c->state.gamma, inv_stds, d_gamma;
   std::vector<double> contribution =
-      backward_contribution(c->op.params, c->stats, c->state.m1, c->state.count, &gamma,
+      backward_contribution(c->node.params, c->stats, c->state.m1, c->state.count, &gamma,
                             &d_scale, &d_shift, &inv_stds, &d_gamma);
   std::vector<int> which;  // the written outputs' indices
   for (size_t i = 0; i < out.size(); ++i)

@@ -1,7 +1,7 @@
 """The seam between Python and the native library: every ctypes entry point
 of ``syncbn.cc``, declared and called here and nowhere else.
 
-A layer's native group is an integer handle (the operators' ``group``
+A layer's state in the native session is an integer handle (the operators' ``layer``
 argument); a transport is an integer id; failures come back as
 ``(kind, message)`` records.
 """
@@ -32,10 +32,10 @@ class Library(object):
         for name, argtypes, restype in [
                 ('gsbn_init', [c.c_char_p], None),
                 ('gsbn_register', [c.c_char_p], c.c_int),
-                ('gsbn_group_create', [c.c_char_p, c.c_char_p, c.c_int, c.c_double, c.c_char_p,
+                ('gsbn_layer_create', [c.c_char_p, c.c_char_p, c.c_int, c.c_double, c.c_char_p,
                                        c.POINTER(c.c_int), c.c_int, c.c_int,
                                        c.POINTER(c.c_double), c.c_int], c.c_int64),
-                ('gsbn_group_remove', [c.c_int64], None),
+                ('gsbn_layer_remove', [c.c_int64], None),
                 ('gsbn_step', [c.c_int], c.c_uint64),
                 ('gsbn_abort', [c.c_char_p, c.c_int], None),
                 ('gsbn_error', [c.c_int, c.c_char_p, c.c_int, c.c_char_p, c.c_int], c.c_int),
@@ -58,17 +58,17 @@ class Library(object):
         """Register operator ``'async'`` or ``'exchange'`` in MXNet; True on success."""
         return self._lib.gsbn_register(op.encode()) == 0
 
-    def create_group(self, name, devices, timeout, hint, sync_group_of, num_sync_groups,
+    def create_layer(self, name, devices, timeout, hint, sync_group_of, num_sync_groups,
                      transport=0, owners=()):
-        """A layer's group on ``devices``; returns its handle."""
+        """A layer's state on ``devices`` in the native session; returns its handle."""
         c = ctypes
-        return self._lib.gsbn_group_create(
+        return self._lib.gsbn_layer_create(
             name.encode(), b'\0'.join(d.encode() for d in devices), len(devices),
             float(timeout), hint.encode(), (c.c_int * len(devices))(*sync_group_of),
             num_sync_groups, transport or 0, (c.c_double * len(owners))(*owners), len(owners))
 
-    def remove_group(self, group):
-        self._lib.gsbn_group_remove(group)
+    def remove_layer(self, layer):
+        self._lib.gsbn_layer_remove(layer)
 
     def token(self, begin=False):
         """The current step's token; ``begin``: a step begins first."""

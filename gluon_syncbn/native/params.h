@@ -6,16 +6,16 @@
 
 namespace {
 
-// A layer's group: the handle gsbn_group_create returned (find_group), which
+// A layer: the handle gsbn_layer_create returned (find_layer), which
 // also keys per-layer tables. Handles are never reused.
-typedef int64_t GroupId;
-typedef std::pair<GroupId, int> LayerKey;
+typedef int64_t LayerId;
+typedef std::pair<LayerId, int> LayerKey;
 
-LayerKey layer_key(const GroupId& group, int device) { return LayerKey(group, device); }
+LayerKey layer_key(const LayerId& layer, int device) { return LayerKey(layer, device); }
 
 // The operator's string arguments, as the block passes them.
 struct Params {
-  GroupId group_id = 0;
+  LayerId layer_id = 0;
   std::string dtype_name = "float32";
   double eps = 1e-5, momentum = 0.9;
   bool fix_gamma = false, static_shape = false;
@@ -25,7 +25,7 @@ struct Params {
 // Sets the argument `key` of `p` from its string `value`; ignores others.
 void set_param(Params* p, const std::string& key, const std::string& value) {
   const bool yes = value == "True" || value == "true" || value == "1";
-  if (key == "group") p->group_id = std::stoll(value);
+  if (key == "layer") p->layer_id = std::stoll(value);
   else if (key == "eps") p->eps = std::stod(value);
   else if (key == "momentum") p->momentum = std::stod(value);
   else if (key == "fix_gamma") p->fix_gamma = yes;

@@ -3,7 +3,7 @@
 // fails. Nothing here waits: a device's call hands its vector over with a
 // continuation, which runs once the meeting is complete or has failed.
 // Across processes a meeting has a remote phase: the process's sum goes
-// through the group's transport (transport.h), and the checked sum over all
+// through the layer's transport (transport.h), and the checked sum over all
 // workers completes it; a failure there is fatal (see fatal_locked).
 // Included once, by syncbn.cc.
 #pragma once
@@ -37,26 +37,26 @@ namespace {
 // the last abort, and failures waiting to be reported to Python.
 
 struct Meeting;
-struct Group;
+struct Layer;
 
 // Never destroyed: the watchdog thread and MXNet's engine threads may still
 // use them while the process exits.
-std::mutex& g_mutex = *new std::mutex();  // guards every structure below and every Group
+std::mutex& g_mutex = *new std::mutex();  // guards every structure below and every Layer
 uint64_t g_token = 0;        // the current step; advanced by every abort
 uint64_t g_issue_token = 0;  // what calls issued now get: g_token as of the step's start
 std::string& g_cause = *new std::string();
 // (kind, message): the failures not yet handed to Python, oldest first.
 std::deque<std::pair<std::string, std::string>>& g_errors =
     *new std::deque<std::pair<std::string, std::string>>();
-// Every layer's group by its handle (the operators' `group` argument),
-// handed out once per group and never reused.
-std::map<int64_t, std::shared_ptr<Group>>& g_groups =
-    *new std::map<int64_t, std::shared_ptr<Group>>();
+// Every layer by its handle (the operators' `layer` argument), handed out
+// once per layer and never reused.
+std::map<int64_t, std::shared_ptr<Layer>>& g_layers =
+    *new std::map<int64_t, std::shared_ptr<Layer>>();
 int64_t g_next_handle = 1;
-// Every group an operator may still hold, also one g_groups no longer names
+// Every layer an operator may still hold, also one g_layers no longer names
 // (a layer re-created on other devices, or garbage-collected while a call
 // of it waits): the watchdog and aborts reach every waiting meeting.
-std::vector<std::weak_ptr<Group>>& g_live = *new std::vector<std::weak_ptr<Group>>();
+std::vector<std::weak_ptr<Layer>>& g_live = *new std::vector<std::weak_ptr<Layer>>();
 // Across processes: set once a failure broke synchronization with the other
 // workers (then every later remote meeting fails at once, and the process
 // ends: fatal_locked); this worker's rank once a layer's sums leave it.
@@ -99,7 +99,7 @@ struct Meeting {
   Meeting(uint64_t t, int n) : token(t), values(n), dtypes(n) {}
 };
 
-struct Group : std::enable_shared_from_this<Group> {
+struct Layer : std::enable_shared_from_this<Layer> {
   std::string name, hint;
   std::vector<std::string> devices;
   std::vector<int> sync_group_of;  // each device's sync group (sync_groups), 0 by default
@@ -116,9 +116,9 @@ struct Group : std::enable_shared_from_this<Group> {
   std::vector<double> ownership;
 };
 
-// The groups of g_live that still exist, the others forgotten (lock held).
-std::vector<std::shared_ptr<Group>> live_groups_locked() {
-  std::vector<std::shared_ptr<Group>> live;
+// The layers of g_live that still exist, the others forgotten (lock held).
+std::vector<std::shared_ptr<Layer>> live_layers_locked() {
+  std::vector<std::shared_ptr<Layer>> live;
   size_t kept = 0;
   for (auto& weak : g_live)
     if (auto g = weak.lock()) {
@@ -133,10 +133,10 @@ std::vector<std::shared_ptr<Group>> live_groups_locked() {
 std::vector<std::tuple<Waiter, std::string, std::vector<double>>>& g_pending =
     *new std::vector<std::tuple<Waiter, std::string, std::vector<double>>>();
 
-void release_locked(Group& g, const Key& key, const std::shared_ptr<Meeting>& ex);
+void release_locked(Layer& g, const Key& key, const std::shared_ptr<Meeting>& ex);
 
 // Hand a meeting's devices their outcome (lock held).
-void dispatch_locked(Group& g, const Key& key, const std::shared_ptr<Meeting>& ex) {
+void dispatch_locked(Layer& g, const Key& key, const std::shared_ptr<Meeting>& ex) {
   const size_t size = ex->error.empty() ? ex->result.size() / g.num_sync_groups : 0;
   for (auto& w : ex->waiters) {
     std::vector<double> sum;
@@ -202,7 +202,7 @@ void abort_locked(const std::string& cause, const std::string& kind = "SyncBatch
                          {{"rank", std::to_string(g_remote_rank)}, {"cause", cause}}));
   ++g_token;
   g_cause = cause;
-  for (auto& g : live_groups_locked()) {
+  for (auto& g : live_layers_locked()) {
     std::map<Key, std::shared_ptr<Meeting>> meetings;
     meetings.swap(g->meetings);
     for (auto& e : meetings)
@@ -248,22 +248,22 @@ std::string join(const std::vector<std::string>& items) {
 // at the layer's timeout. Returns false with `error` set on failure.
 
 // A meeting goes once every device has taken its outcome (lock held).
-void release_locked(Group& g, const Key& key, const std::shared_ptr<Meeting>& ex) {
+void release_locked(Layer& g, const Key& key, const std::shared_ptr<Meeting>& ex) {
   if (++ex->taken == static_cast<int>(g.devices.size())) {
     auto it = g.meetings.find(key);
     if (it != g.meetings.end() && it->second == ex) g.meetings.erase(it);
   }
 }
 
-// When a wait of the group's timeout that starts now ends.
-std::chrono::steady_clock::time_point deadline_of(const Group& g) {
+// When a wait of the layer's timeout that starts now ends.
+std::chrono::steady_clock::time_point deadline_of(const Layer& g) {
   return std::chrono::steady_clock::now() +
          std::chrono::duration_cast<std::chrono::steady_clock::duration>(
              std::chrono::duration<double>(g.timeout));
 }
 
 // The meeting of `key`, created by its first device (lock held).
-std::shared_ptr<Meeting> meeting_locked(Group& g, const Key& key) {
+std::shared_ptr<Meeting> meeting_locked(Layer& g, const Key& key) {
   auto& slot = g.meetings[key];
   if (!slot) {
     slot = std::make_shared<Meeting>(std::get<1>(key), static_cast<int>(g.devices.size()));
@@ -274,7 +274,7 @@ std::shared_ptr<Meeting> meeting_locked(Group& g, const Key& key) {
 
 // Why a summed FORWARD vector cannot be used: a sync group of this
 // process's devices has no samples at all ("" if none).
-std::string empty_batch(const Group& g, const Key& key, const std::vector<double>& result) {
+std::string empty_batch(const Layer& g, const Key& key, const std::vector<double>& result) {
   if (std::get<0>(key) != 0) return "";
   const size_t size = result.size() / g.num_sync_groups;
   for (int s : g.sync_group_of)
@@ -287,11 +287,11 @@ std::string empty_batch(const Group& g, const Key& key, const std::vector<double
   return "";
 }
 
-std::string start_remote_locked(Group& g, const Key& key, const std::shared_ptr<Meeting>& ex);
+std::string start_remote_locked(Layer& g, const Key& key, const std::shared_ptr<Meeting>& ex);
 
 // The last device to arrive: checks that the devices agree and sums their
 // vectors; returns the failure, or "" with the meeting done (lock held).
-std::string combine_locked(Group& g, const Key& key, const std::shared_ptr<Meeting>& ex) {
+std::string combine_locked(Layer& g, const Key& key, const std::shared_ptr<Meeting>& ex) {
   const int n = static_cast<int>(g.devices.size());
   size_t size = ex->values[0].size();
   bool same_size = true, same_dtype = true;
@@ -312,7 +312,7 @@ std::string combine_locked(Group& g, const Key& key, const std::shared_ptr<Meeti
                      : message("channels_disagree", {{"layer", g.name}, {"channels", what}});
   }
   // One sum per sync group, each in device order (the same rounding
-  // whatever the arrival order); a device takes its group's.
+  // whatever the arrival order); a device takes its sync group's.
   ex->result.assign(g.num_sync_groups * size, 0.0);
   for (int i = 0; i < n; ++i)
     for (size_t j = 0; j < size; ++j) ex->result[g.sync_group_of[i] * size + j] += ex->values[i][j];
@@ -341,13 +341,13 @@ std::array<double, 2> own_checks(const Key& key, size_t size) {
           static_cast<double>(std::get<2>(key))};
 }
 
-std::string reduction_failed(const Group& g, const Key& key, const std::string& why) {
+std::string reduction_failed(const Layer& g, const Key& key, const std::string& why) {
   return message("reduction_failed", {{"direction", direction_name(key)}, {"layer", g.name},
                                       {"slot", std::to_string(g.slot)},
                                       {"transport", g.transport->name}, {"why", why}});
 }
 
-std::string broken_message(const Group& g) {
+std::string broken_message(const Layer& g) {
   return message("broken", {{"transport", g.transport->name}, {"cause", g_broken}});
 }
 
@@ -357,13 +357,13 @@ std::string format_numbers(const double* v, size_t n) {
   return out + "]";
 }
 
-void complete_remote(const std::shared_ptr<Group>& g, const Key& key,
+void complete_remote(const std::shared_ptr<Layer>& g, const Key& key,
                      const std::shared_ptr<Meeting>& ex, const std::string& error,
                      const std::vector<double>& total);
 
 // Hands the meeting's sum to the transport once g_mutex is released, with a
 // fresh deadline for the other workers (lock held).
-std::string start_remote_locked(Group& g, const Key& key, const std::shared_ptr<Meeting>& ex) {
+std::string start_remote_locked(Layer& g, const Key& key, const std::shared_ptr<Meeting>& ex) {
   if (!g_broken.empty()) return broken_message(g);
   if (g.slot < 0)
     return message("no_slot", {{"layer", g.name}, {"transport", g.transport->name}});
@@ -375,14 +375,14 @@ std::string start_remote_locked(Group& g, const Key& key, const std::shared_ptr<
   ex->remote = true;
   ex->deadline = deadline_of(g);
   if (ex->deadline < g_watchdog_wake) g_watchdog_cv.notify_all();
-  std::shared_ptr<Group> group = g.shared_from_this();
+  std::shared_ptr<Layer> layer = g.shared_from_this();
   std::shared_ptr<Transport> transport = g.transport;
   const int slot = g.slot;
-  g_pending.emplace_back([group, transport, slot, dir, key, ex, payload](
+  g_pending.emplace_back([layer, transport, slot, dir, key, ex, payload](
                              const std::string&, const std::vector<double>&) {
-    transport->start(slot, dir, payload, [group, key, ex](const std::string& error,
+    transport->start(slot, dir, payload, [layer, key, ex](const std::string& error,
                                                           const std::vector<double>& total) {
-      complete_remote(group, key, ex, error, total);
+      complete_remote(layer, key, ex, error, total);
     });
   }, "", std::vector<double>());
   return "";
@@ -390,7 +390,7 @@ std::string start_remote_locked(Group& g, const Key& key, const std::shared_ptr<
 
 // What is wrong with the sum over all workers, or "" with ex->result set to
 // this worker's rows (lock held).
-std::string check_remote_locked(const Group& g, const Key& key, Meeting& ex,
+std::string check_remote_locked(const Layer& g, const Key& key, Meeting& ex,
                                 const std::vector<double>& total) {
   const Transport& t = *g.transport;
   const size_t size = ex.values[0].size(), rows = g.num_sync_groups * size;
@@ -432,7 +432,7 @@ std::string check_remote_locked(const Group& g, const Key& key, Meeting& ex,
 // The transport's answer: completes the meeting, or fails the step (and the
 // process: fatal_locked). Ignored if the meeting failed meanwhile (its
 // deadline, an abort).
-void complete_remote(const std::shared_ptr<Group>& g, const Key& key,
+void complete_remote(const std::shared_ptr<Layer>& g, const Key& key,
                      const std::shared_ptr<Meeting>& ex, const std::string& error,
                      const std::vector<double>& total) {
   {
@@ -455,8 +455,8 @@ void complete_remote(const std::shared_ptr<Group>& g, const Key& key,
 // its first call with `channels` channels (in network order, from whichever
 // thread calls first: the operators' FCreateOpState). False with `error` set
 // if that failed.
-bool attach_remote(Group& g, int64_t channels, std::string* error) {
-  // Set before the group's first call and never changed: every imperative
+bool attach_remote(Layer& g, int64_t channels, std::string* error) {
+  // Set before the layer's first call and never changed: every imperative
   // call's state creation passes here, so a layer of one process takes no lock.
   if (!g.transport) return true;
   // One layer at a time, each once, even when the devices' threads create
@@ -485,7 +485,7 @@ bool attach_remote(Group& g, int64_t channels, std::string* error) {
   return true;
 }
 
-std::string timeout_message(const Group& g, const Key& key, const Meeting& ex) {
+std::string timeout_message(const Layer& g, const Key& key, const Meeting& ex) {
   const std::string call = std::to_string(std::get<2>(key));
   if (ex.remote)
     return message("remote_timeout",
@@ -514,7 +514,7 @@ void watchdog() {
     auto next = std::chrono::steady_clock::now() + std::chrono::seconds(1);
     std::string failure;
     bool remote = false;
-    for (auto& g : live_groups_locked())
+    for (auto& g : live_layers_locked())
       for (auto& e : g->meetings) {
         const Meeting& ex = *e.second;
         if (ex.waiters.empty() || ex.done || !ex.error.empty()) continue;
@@ -542,7 +542,7 @@ void watchdog() {
 
 // `done` runs once, on whichever thread completes the meeting
 // (the last device to arrive, an abort, or the watchdog at the deadline).
-void meet_async(Group& g, const Key& key, int device, std::vector<double> value,
+void meet_async(Layer& g, const Key& key, int device, std::vector<double> value,
                     const std::string& dtype, Waiter done) {
   {
     std::lock_guard<std::mutex> lock(g_mutex);
@@ -573,11 +573,11 @@ void meet_async(Group& g, const Key& key, int device, std::vector<double> value,
   run_pending();
 }
 
-std::shared_ptr<Group> find_group(int64_t id, std::string* error) {
+std::shared_ptr<Layer> find_layer(int64_t id, std::string* error) {
   std::lock_guard<std::mutex> lock(g_mutex);
-  auto it = g_groups.find(id);
-  if (it != g_groups.end()) return it->second;
-  *error = message("unknown_group", {{"group", std::to_string(id)}});
+  auto it = g_layers.find(id);
+  if (it != g_layers.end()) return it->second;
+  *error = message("unknown_layer", {{"layer", std::to_string(id)}});
   return nullptr;
 }
 
@@ -586,7 +586,7 @@ std::shared_ptr<Group> find_group(int64_t id, std::string* error) {
 // failed earlier. `issued` is the token the call got when it was issued;
 // static graphs create their operators once, so there the current token is
 // the call's.
-bool number_call(Group& g, int device, bool static_graph, uint64_t issued, uint64_t* token,
+bool number_call(Layer& g, int device, bool static_graph, uint64_t issued, uint64_t* token,
                  int64_t* call, std::string* error) {
   std::lock_guard<std::mutex> lock(g_mutex);
   *token = static_graph ? g_token : issued;
@@ -605,7 +605,7 @@ bool number_call(Group& g, int device, bool static_graph, uint64_t issued, uint6
 
 // False with `error` set (and recorded) if a backward call of `g` issued
 // with `issued` belongs to a step that failed since.
-bool backward_current(const Group& g, bool static_graph, uint64_t issued, std::string* error) {
+bool backward_current(const Layer& g, bool static_graph, uint64_t issued, std::string* error) {
   if (static_graph) return true;
   std::lock_guard<std::mutex> lock(g_mutex);
   if (issued == g_token) return true;

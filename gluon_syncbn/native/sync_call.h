@@ -31,7 +31,7 @@
 
 namespace {
 
-// The block's string arguments of a node (group, eps, momentum, ...).
+// The block's string arguments of a node (layer, eps, momentum, ...).
 Params node_params(const nnvm::NodeAttrs& attrs) {
   Params p;
   for_each_argument(attrs, [&p](const std::string& key, const std::string& value) {
@@ -42,12 +42,12 @@ Params node_params(const nnvm::NodeAttrs& attrs) {
 
 std::string layer_name(const Params& p) {
   std::string error;
-  auto group = find_group(p.group_id, &error);
-  return group ? group->name : std::to_string(p.group_id);
+  auto layer = find_layer(p.layer_id, &error);
+  return layer ? layer->name : std::to_string(p.layer_id);
 }
 
-// The index of device `ctx` ("cpu(1)") in the group, or -1 with the error.
-int device_index(const Group& g, const std::string& ctx, std::string* error) {
+// The index of device `ctx` ("cpu(1)") among the layer's, or -1 with the error.
+int device_index(const Layer& g, const std::string& ctx, std::string* error) {
   for (size_t i = 0; i < g.devices.size(); ++i)
     if (g.devices[i] == ctx) return static_cast<int>(i);
   *error = message("wrong_device", {{"layer", g.name}, {"device", ctx},
@@ -80,36 +80,36 @@ mxnet::Engine::VarHandle layer_variable(const LayerKey& key) {
   return var;
 }
 
-// One operator instance: its arguments, its group and device, the step it
+// One graph node's state (an operator instance): its arguments, its layer and device, the step it
 // was issued in (unused in static graphs, whose instances outlive steps),
 // and its forward call's global statistics.
-struct Op {
+struct NodeState {
   Params params;
-  std::shared_ptr<Group> group;
-  int device = -1;       // the index in the group
+  std::shared_ptr<Layer> layer;
+  int device = -1;       // the index among the layer's devices
   int dev_id = 0;        // the context's id: whose worker runs continuations
   uint64_t token = 0;
   Info stats;            // call < 0: the forward ran in inference mode
 };
 
 // The state of a graph node on context `ctx` with `channels` channels:
-// `state` filled in, its layer's group attached to the other processes, its
+// `state` filled in, its layer attached to the other processes, its
 // engine variable the layer's.
 template <typename State>
 mxnet::OpStatePtr create_state(State* state, const nnvm::NodeAttrs& attrs,
                                const mxnet::Context& ctx, int64_t channels) {
-  Op& op = *state;
-  op.params = node_params(attrs);
+  NodeState& node = *state;
+  node.params = node_params(attrs);
   std::string error;
-  op.group = find_group(op.params.group_id, &error);
-  CHECK(op.group) << error;
+  node.layer = find_layer(node.params.layer_id, &error);
+  CHECK(node.layer) << error;
   const std::string kind = ctx.dev_type == mxnet::Context::kGPU ? "gpu(" : "cpu(";
-  op.device = device_index(*op.group, kind + std::to_string(ctx.dev_id) + ")", &error);
-  CHECK_GE(op.device, 0) << error;
-  op.dev_id = ctx.dev_id;
-  op.token = issue_token();
-  CHECK(attach_remote(*op.group, channels, &error)) << error;
-  return make_state(state, layer_variable(layer_key(op.params.group_id, op.device)));
+  node.device = device_index(*node.layer, kind + std::to_string(ctx.dev_id) + ")", &error);
+  CHECK_GE(node.device, 0) << error;
+  node.dev_id = ctx.dev_id;
+  node.token = issue_token();
+  CHECK(attach_remote(*node.layer, channels, &error)) << error;
+  return make_state(state, layer_variable(layer_key(node.params.layer_id, node.device)));
 }
 
 // An operation pushed to the engine: fn, run on a CPU context's worker.
@@ -139,8 +139,8 @@ const int64_t kFinishHereElements = 1 << 14;
 // completion, shared (std::shared_ptr) by the continuations that finish it.
 struct SyncCall : std::enable_shared_from_this<SyncCall> {
   typedef std::shared_ptr<SyncCall> Call;
-  const mxnet::OpStatePtr held;  // keeps `op` alive while a continuation may run
-  Op& op;
+  const mxnet::OpStatePtr held;  // keeps `node` alive while a continuation may run
+  NodeState& node;
   const mxnet::engine::CallbackOnComplete on_complete;
   std::vector<mxnet::NDArray> keep;  // what the call's operations use, alive till completion
   uint64_t token = 0;                // the forward's step and call number
@@ -149,8 +149,8 @@ struct SyncCall : std::enable_shared_from_this<SyncCall> {
   std::thread::id issuer;            // the thread that started the exchange
   std::atomic<bool> completed{false};
 
-  SyncCall(const mxnet::OpStatePtr& state, Op& op, const mxnet::OpContext& ctx)
-      : held(state), op(op), on_complete(ctx.async_on_complete) {}
+  SyncCall(const mxnet::OpStatePtr& state, NodeState& node, const mxnet::OpContext& ctx)
+      : held(state), node(node), on_complete(ctx.async_on_complete) {}
 
   // Completes the call, with `error` unless it is empty; only the first
   // completion counts.
@@ -170,7 +170,7 @@ struct SyncCall : std::enable_shared_from_this<SyncCall> {
   }
 
   void fail_call(const std::string& error) {
-    abort_with(in_layer(op.group->name, "exchanging the statistics failed: " + error));
+    abort_with(in_layer(node.layer->name, "exchanging the statistics failed: " + error));
   }
 
   bool completed_with(const std::string& error) {
@@ -182,7 +182,7 @@ struct SyncCall : std::enable_shared_from_this<SyncCall> {
   // of a step that failed earlier.
   bool number() {
     std::string error;
-    return number_call(*op.group, op.device, op.params.static_shape, op.token, &token, &call,
+    return number_call(*node.layer, node.device, node.params.static_shape, node.token, &token, &call,
                        &error) || completed_with(error);
   }
 
@@ -190,10 +190,10 @@ struct SyncCall : std::enable_shared_from_this<SyncCall> {
   // layer takes (autograd.backward does not check it; the other devices'
   // backward calls would wait for this one); false (completed) if not.
   bool has_forward(int head_dtype) {
-    stats = op.stats;
+    stats = node.stats;
     if (stats.call < 0)
-      return completed_with(message("inference_backward", {{"layer", op.group->name}}));
-    std::string error = dtype_problem(op.group->name, "the gradient of its output", head_dtype);
+      return completed_with(message("inference_backward", {{"layer", node.layer->name}}));
+    std::string error = dtype_problem(node.layer->name, "the gradient of its output", head_dtype);
     if (error.empty()) return true;
     abort_with(error);
     return false;
@@ -203,7 +203,7 @@ struct SyncCall : std::enable_shared_from_this<SyncCall> {
   // since it was issued.
   bool current() {
     std::string error;
-    return backward_current(*op.group, op.params.static_shape, op.token, &error) ||
+    return backward_current(*node.layer, node.params.static_shape, node.token, &error) ||
            completed_with(error);
   }
 
@@ -216,7 +216,7 @@ struct SyncCall : std::enable_shared_from_this<SyncCall> {
       Info stats = merge(total);
       stats.token = static_cast<double>(self->token);
       stats.call = static_cast<double>(self->call);
-      self->op.stats = self->stats = stats;
+      self->node.stats = self->stats = stats;
       then(stats);
     });
   }
@@ -237,7 +237,7 @@ struct SyncCall : std::enable_shared_from_this<SyncCall> {
     std::function<void()> guarded = guard(std::move(fn));
     if (std::this_thread::get_id() == issuer) return guarded();
     auto* f = new Pushed{guarded};
-    if (!push_on_worker(op.dev_id, {}, f, "gluon_syncbn_finish")) {
+    if (!push_on_worker(node.dev_id, {}, f, "gluon_syncbn_finish")) {
       run_pushed(nullptr, f);
       delete_pushed(f);
     }
@@ -267,7 +267,7 @@ struct SyncCall : std::enable_shared_from_this<SyncCall> {
   // if the engine refuses it.
   void run_after(const std::vector<mxnet::NDArray>& reads, std::function<void()> fn,
                  const char* name) {
-    if (!push_on_worker(op.dev_id, reads, new Pushed{guard(std::move(fn))}, name))
+    if (!push_on_worker(node.dev_id, reads, new Pushed{guard(std::move(fn))}, name))
       fail_call(MXGetLastError());
   }
 
@@ -276,7 +276,7 @@ struct SyncCall : std::enable_shared_from_this<SyncCall> {
                 std::function<void(const std::vector<double>&)> then) {
     Call self = shared_from_this();
     issuer = std::this_thread::get_id();
-    meet_async(*op.group, key, op.device, std::move(contribution), op.params.dtype_name,
+    meet_async(*node.layer, key, node.device, std::move(contribution), node.params.dtype_name,
                    [self, then](const std::string& error, const std::vector<double>& total) {
       if (!error.empty()) return self->complete(error);
       self->guard([&then, &total]() { then(total); })();

@@ -74,7 +74,7 @@ void gsbn_init(const char* templates) {
   reserve_engine_errors(kReservedEngineErrors);
 }
 
-// Registers operator "async" (_gluon_syncbn_sync) or "exchange"
+// Registers operator "async" (_gluon_syncbn_async) or "exchange"
 // (_gluon_syncbn_exchange); 0 on success.
 int gsbn_register(const char* op) {
   const std::string which = op;
@@ -87,12 +87,12 @@ int gsbn_register(const char* op) {
 // A layer's group: its devices (NUL-separated names), each one's sync group,
 // and across processes the transport its sums leave through (0: none) with
 // this worker's `num_owners` entries of the global device ownership vector.
-// Returns its handle, the operators' `group` argument.
-int64_t gsbn_group_create(const char* name, const char* devices, int num_devices,
+// Returns its handle, the operators' `layer` argument.
+int64_t gsbn_layer_create(const char* name, const char* devices, int num_devices,
                           double timeout, const char* hint, const int* sync_group_of,
                           int num_sync_groups, int transport, const double* owners,
                           int num_owners) {
-  auto g = std::make_shared<Group>();
+  auto g = std::make_shared<Layer>();
   g->name = name;
   g->hint = hint;
   g->timeout = timeout;
@@ -107,16 +107,16 @@ int64_t gsbn_group_create(const char* name, const char* devices, int num_devices
   }
   std::lock_guard<std::mutex> lock(g_mutex);
   const int64_t handle = g_next_handle++;
-  g_groups[handle] = g;
+  g_layers[handle] = g;
   g_live.push_back(g);
   return handle;
 }
 
-// A layer was garbage-collected: its group and its staging go.
-void gsbn_group_remove(int64_t group) {
-  forget_layer_staging(group);
+// A layer was garbage-collected: its state and its staging go.
+void gsbn_layer_remove(int64_t layer) {
+  forget_layer_staging(layer);
   std::lock_guard<std::mutex> lock(g_mutex);
-  g_groups.erase(group);
+  g_layers.erase(layer);
 }
 
 // The current step's token; `begin`: a training step begins first (Python's
