@@ -6,7 +6,8 @@ devices, exactly as one BatchNorm on the concatenated batch would.
 
 Importing it changes nothing for code that does not synchronize: the
 modules' import-time work is only what they need before MXNet runs (see
-``cuda_libs``, ``cpu_contexts``, ``hooks``).
+``cuda_libs``, ``cpu_contexts``), and the hooks (``hooks``) do nothing until
+a layer has synchronized.
 """
 from .cuda_libs import preload as _preload_cuda_libraries
 
@@ -19,6 +20,11 @@ from .errors import SyncBatchNormError, SyncBatchNormTimeout  # noqa: E402
 from .block import SyncBatchNorm  # noqa: E402
 from .convert import convert_model, revert_model  # noqa: E402
 from .session import reset  # noqa: E402
+from . import hooks as _hooks  # noqa: E402
+
+# MXNet's classes patched where the layer needs it (each patch does nothing
+# until a layer has synchronized; see hooks).
+_hooks.install()
 
 __version__ = '0.1.0'
 __all__ = ['SyncBatchNorm', 'SyncBatchNormError', 'SyncBatchNormTimeout',

@@ -25,7 +25,7 @@ import os
 from .errors import SyncBatchNormError
 
 __all__ = ['configure_cpu_contexts', 'configure_from_environment', 'check_cpu_contexts',
-           'slots_for', 'is_naive_engine', 'in_host_memory']
+           'slots_for', 'is_naive_engine', 'on_cpu_path']
 
 CONTEXTS_VARIABLE = 'GLUON_SYNCBN_CPU_CONTEXTS'
 DEVICE_PATH_VARIABLE = 'GLUON_SYNCBN_DEVICE_PATH'
@@ -133,13 +133,14 @@ def is_naive_engine():
     return os.environ.get('MXNET_ENGINE_TYPE', '') == 'NaiveEngine'
 
 
-def in_host_memory(devices):
-    """True if every device is a CPU context, whose arrays the operators may
-    read and write in place, and ``GLUON_SYNCBN_DEVICE_PATH`` is not ``1``.
-    That test switch makes CPU contexts count as GPUs, so the code GPUs run
-    (the backend ``auto`` picks for them, and the Python operator's GPU form:
-    MXNet's operators compute the local moments, arrays are copied through
-    MXNet) runs in CI, which has no GPU."""
+def on_cpu_path(devices):
+    """Whether layers on ``devices`` take the CPU contexts' path (the
+    asynchronous operator, where ``auto`` chooses; arrays read and written in
+    place): every device a CPU context, and ``GLUON_SYNCBN_DEVICE_PATH`` not
+    ``1``. That test switch makes CPU contexts count as GPUs, so the code
+    GPUs run (the exchange operator, which ``auto`` picks for them, and the
+    Python operator's GPU form: arrays copied, never touched in place) runs
+    in CI, which has no GPU."""
     return (all(d.startswith('cpu') for d in devices)
             and os.environ.get(DEVICE_PATH_VARIABLE, '0') != '1')
 

@@ -17,7 +17,7 @@ kernel. Without that runtime (the CPU build) there is nothing to check.
 import ctypes
 import functools
 
-from .cpu_contexts import in_host_memory
+from .cpu_contexts import on_cpu_path
 from .errors import SyncBatchNormError
 
 __all__ = ['RUNTIME_LIBRARY', 'gpu_properties', 'check_gpus']
@@ -72,7 +72,7 @@ def check_gpus(layer, devices):
     compute capability and why. ``gpu(i)`` is the runtime's device ``i``;
     where the test switch ``GLUON_SYNCBN_DEVICE_PATH=1`` makes CPU contexts
     take the GPUs' path, ``cpu(i)`` is checked as device ``i``."""
-    if in_host_memory(devices):
+    if on_cpu_path(devices):
         return
     gpus = _gpus()
     for device in devices:

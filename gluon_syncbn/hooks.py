@@ -297,8 +297,8 @@ def install_trainer_hook(trainer_class, session, waitall):
 
 
 def install():
-    """Install every hook (idempotent); each does nothing until a layer has
-    synchronized."""
+    """Install every hook (idempotent; the package's ``__init__`` does, at
+    import); each does nothing until a layer has synchronized."""
     install_error_text_hook(mx.base.MXNetError)
     install_record_abort_hook(mx.autograd._RecordingStateScope, SESSION,
                               mx.autograd.is_recording, mx.autograd.is_training)
@@ -306,6 +306,3 @@ def install():
     install_cached_op_hook(mx.gluon.HybridBlock, SESSION, mx.autograd.is_training)
     install_trainer_hook(mx.gluon.Trainer, SESSION, mx.nd.waitall)
 
-
-# At import (gluon_syncbn imports this with the layer).
-install()

@@ -73,7 +73,7 @@ Failures
       the shared ``exception_ptr``); until then MXNet skips every operation
       on them and passes the error on (``session.Session.clear_failed_arrays``).
 
-Class patches (``hooks``, installed when it is imported: ``hooks.install``)
+Class patches (``hooks``, installed by the package's ``__init__``: ``hooks.install``)
     ``MXNetError.__init__``, ``autograd._RecordingStateScope.__enter__`` and
     ``__exit__``, ``HybridBlock._call_cached_op``, and an ``atexit`` handler
     that must run before MXNet's own.
@@ -106,6 +106,14 @@ AMP (``backends/vector_graph.py``, :func:`amp_initialized`)
 The user's kvstore (``transport._serialize_calls``)
     Its methods are wrapped to take one lock, and ``init``/``broadcast`` drain
     the engine: 1.9.1's dist kvstore keeps per-key buffers in unguarded maps.
+
+Block trees (``hooks._blocks``, ``convert.py``)
+    ``Block._children``, the ordered children of a block, walked to find and
+    replace layers.
+
+Custom-operator dtypes (``backends/python_op.py``)
+    ``mxnet.ndarray.ndarray._DTYPE_MX_TO_NP`` names the NumPy dtype of the
+    type code MXNet hands ``create_operator``.
 
 bfloat16 (``dtype_name``)
     MXNet 1.9.1 gives bfloat16 arrays the NumPy dtype

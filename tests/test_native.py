@@ -44,6 +44,12 @@ def reported(out, key):
     return lines[0]
 
 
+def simulate_verdict(marker, text):
+    """Replace the verdict in ``marker`` by ``text``, on the same library."""
+    from gluon_syncbn.native import cache
+    cache.write_verdict(str(marker), cache.read_verdict(str(marker))[0], text)
+
+
 @pytest.fixture
 def cache_with_library(tmp_path):
     """A cache holding this source's library and no self-test verdict: the
@@ -51,7 +57,7 @@ def cache_with_library(tmp_path):
     from gluon_syncbn import native
     library = native.library_path()
     if not os.path.exists(library):
-        native.build(library)
+        native.build(library, native.cache.root())
     cache = tmp_path / 'cache'
     folder = cache / os.path.basename(os.path.dirname(library))
     folder.mkdir(parents=True)
@@ -69,8 +75,11 @@ def test_built_at_first_use_into_the_cache(tmp_path):
     # The library, and the verdict of its asynchronous operator's self-test.
     assert len(built) == 2 and built[0].endswith('.so'), built
     assert built[1] == built[0] + '.async.selftest', built
-    with open(tmp_path / ('mxnet-%s' % mxnet.__version__) / built[1]) as f:
-        assert f.read() == 'ok'
+    folder = tmp_path / ('mxnet-%s' % mxnet.__version__)
+    from gluon_syncbn.native import cache
+    # ... reached on that very file
+    assert cache.read_verdict(str(folder / built[1])) == (
+        cache.digest(str(folder / built[0])), 'ok')
     assert 'RuntimeWarning' not in out.stderr, out.stderr[-2000:]
 
 
@@ -80,7 +89,7 @@ def test_a_failed_self_test_falls_back_to_the_python_operator(cache_with_library
     # A build whose C++ ABI differs from the wheel's: its self-test's verdict.
     folder = cache_with_library / os.listdir(cache_with_library)[0]
     marker = [folder / name for name in os.listdir(folder) if name.endswith('.async.selftest')][0]
-    marker.write_text('exit -11: simulated')
+    simulate_verdict(marker, 'exit -11: simulated')
     out = python(TWO_DEVICE_STEP, GLUON_SYNCBN_CACHE=str(cache_with_library))
     assert reported(out, 'OPERATOR') == 'python'
     assert 'async operator failed its self-test: exit -11: simulated' in reported(out, 'WHY')
@@ -119,7 +128,7 @@ def test_device_path_takes_the_exchange_operator_and_its_fallback(cache_with_lib
     folder = cache_with_library / os.listdir(cache_with_library)[0]
     marker = [folder / name for name in os.listdir(folder)
               if name.endswith('.exchange.selftest')][0]
-    marker.write_text('exit -11: simulated')
+    simulate_verdict(marker, 'exit -11: simulated')
     out = python(code, GLUON_SYNCBN_CACHE=str(cache_with_library), GLUON_SYNCBN_DEVICE_PATH='1')
     assert reported(out, 'OPERATOR') == 'python'
     assert 'exchange operator failed its self-test: exit -11' in reported(out, 'WHY')
@@ -401,7 +410,8 @@ def test_a_self_test_that_runs_out_of_time_is_not_kept(cache_with_library):
     assert not [n for n in os.listdir(folder) if n.endswith('.selftest')], os.listdir(folder)
     again = python(TWO_DEVICE_STEP, GLUON_SYNCBN_CACHE=str(cache_with_library))
     assert reported(again, 'OPERATOR') == 'async'
-    assert (folder / (library + '.async.selftest')).read_text() == 'ok'
+    from gluon_syncbn.native import cache
+    assert cache.read_verdict(str(folder / (library + '.async.selftest')))[1] == 'ok'
 
 
 @pytest.mark.parametrize('outcome,kept', [
@@ -425,12 +435,14 @@ def test_only_a_definite_self_test_verdict_is_kept(tmp_path, monkeypatch, outcom
         return subprocess.CompletedProcess(command, outcome[0], outcome[1], outcome[2])
     monkeypatch.setattr(native.subprocess, 'run', run)
     monkeypatch.delenv(native.SELFTEST_VARIABLE, raising=False)
+    monkeypatch.setitem(native._state, 'digest', 'd1')
     verdict = native._selftest(library, 'async')
     marker = tmp_path / 'libgluon_syncbn-x.so.async.selftest'
     if kept is None:
         assert not marker.exists() and 'not kept' in verdict, verdict
     else:
-        assert marker.read_text().startswith(kept), marker.read_text()
+        digest, text = native.cache.read_verdict(str(marker))
+        assert digest == 'd1' and text.startswith(kept), (digest, text)
         assert verdict == 'ok' if kept == 'ok' else verdict.startswith(kept), verdict
 
 

@@ -25,7 +25,7 @@ import collections
 import os
 
 from .. import native
-from ..cpu_contexts import in_host_memory
+from ..cpu_contexts import on_cpu_path
 from ..errors import SyncBatchNormError, warn_user
 from ..session import SESSION
 from ..transport import LocalTransport
@@ -94,7 +94,7 @@ def choose(devices, transport, requested=None):
     or None (nothing can run it: ``reason`` says why and how to fix it).
     May build and load the native library and run a self-test."""
     requested = requested or requested_backend()
-    on_cpu = in_host_memory(devices)
+    on_cpu = on_cpu_path(devices)
     where = 'across processes' if transport.cross_process else 'in one process'
     if requested == 'python':
         if transport.cross_process:

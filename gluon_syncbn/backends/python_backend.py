@@ -9,7 +9,7 @@ import numpy as np
 
 from .. import messages, wire
 from ..barrier import CallOrderBarrier
-from ..cpu_contexts import in_host_memory
+from ..cpu_contexts import on_cpu_path
 from ..errors import SyncBatchNormError
 from ..session import SESSION
 from . import python_op
@@ -25,7 +25,7 @@ class PythonBackend(VectorBackend):
 
     def __init__(self, layer, devices, transport):
         super(PythonBackend, self).__init__(layer, devices, transport)
-        self.host_memory = in_host_memory(self.devices)
+        self.host_memory = on_cpu_path(self.devices)
         self.barrier = CallOrderBarrier(self.layer_name, self.devices, self.timeout, SESSION,
                                         hint=self.hint)
         self.handle = python_op.register(self)

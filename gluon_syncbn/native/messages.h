@@ -25,7 +25,7 @@ std::map<std::string, std::string>& message_templates() {
 
 std::string message(const char* name, Fields fields) {
   auto it = message_templates().find(name);
-  if (it == message_templates().end()) {  // loaded without messages.install
+  if (it == message_templates().end()) {  // the templates never came (gsbn_init)
     std::string out = std::string("SyncBatchNorm: ") + name;
     for (const auto& f : fields) out += std::string(", ") + f.first + "=" + f.second;
     return out;

@@ -36,7 +36,7 @@ std::vector<double> forward_contribution(double count, const std::vector<double>
 }
 
 // The global n, mean and (biased) variance from the summed FORWARD vectors;
-// the caller has checked that n > 0 (session.h, own_checks).
+// the meeting has refused n == 0 first (session.h, empty_batch).
 Info merge(const std::vector<double>& total) {
   Info stats;
   std::vector<double> mean_sq;
