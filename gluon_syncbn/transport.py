@@ -58,7 +58,7 @@ class _CrossProcessTransport(object):
     def __init__(self):
         self._lock = threading.RLock()
         self.exit_grace = float(os.environ.get('GLUON_SYNCBN_EXIT_GRACE', DEFAULT_EXIT_GRACE))
-        self.native = None  # the native twin's id, once made
+        self.twin = None  # the native twin's id, once made
 
     def why_not_native(self):
         """Why this transport can have no native twin here, or ''."""
@@ -69,10 +69,10 @@ class _CrossProcessTransport(object):
         first call. From then on the process ends at interpreter exit if its
         synchronization broke (the native session's fatal failures)."""
         with self._lock:
-            if self.native is None:
-                self.native = self._make_native(lib)
+            if self.twin is None:
+                self.twin = self._make_native(lib)
                 atexit.register(_exit_if_broken, lib, self.rank)
-        return self.native
+        return self.twin
 
 
 def _exit_if_broken(lib, rank):
@@ -138,19 +138,19 @@ class _StoreLock(object):
 
     def __init__(self, transport):
         self._transport = transport
-        self._native = []  # per nesting level: whether it took the twin's lock
+        self._held = []  # per nesting level: the twin whose lock it took, or None
 
     def __enter__(self):
         transport = self._transport
         transport._lock.acquire()
-        twin = transport.native if len(self._native) == 0 else None
+        twin = transport.twin if len(self._held) == 0 else None
         if twin is not None:
             transport._native_lib.store_lock(twin, True)
-        self._native.append(twin)
+        self._held.append(twin)
         return self
 
     def __exit__(self, *exc):
-        twin = self._native.pop()
+        twin = self._held.pop()
         if twin is not None:
             self._transport._native_lib.store_lock(twin, False)
         self._transport._lock.release()

@@ -1271,8 +1271,8 @@ def store_shared_with_trainer(steps=4, sizes=(3, 5), hybridize=False, seed=0):
         errs.note('running_mean', net.bn.running_mean.data(c).asnumpy(), run_mean)
         errs.note('running_var', net.bn.running_var.data(c).asnumpy(), run_var)
     errs['operator'] = net.bn._sync_backend.name
-    errs['queued'] = transport.native and native_testing.count(
-        gluon_syncbn.session.SESSION.native, 'queued', transport.native)
+    errs['queued'] = transport.twin and native_testing.count(
+        gluon_syncbn.session.SESSION.native, 'queued', transport.twin)
     return errs
 
 
