@@ -26,7 +26,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 from bench import run_worker  # noqa: E402
-from bench_overhead import LAYERS, engine_operations  # noqa: E402
+from bench_overhead import LAYERS, engine_operations, norm_layer  # noqa: E402
 import report  # noqa: E402
 
 VARIANTS = ('plain', 'contrib', 'ours')
@@ -46,21 +46,14 @@ def worker(cfg):
 
     ctxs = [mx.cpu(i) for i in range(n)]
 
-    def norm(kind):
-        if kind == 'plain':
-            return gluon.nn.BatchNorm(in_channels=16)
-        if kind == 'contrib':
-            return gluon.contrib.nn.SyncBatchNorm(in_channels=16, num_devices=n)
-        return gluon_syncbn.SyncBatchNorm(in_channels=16, timeout=cfg['sync_timeout'])
-
     rng = np.random.RandomState(0)
     xs = [mx.nd.array(rng.randn(2, 16, 2, 2), ctx=c) for c in ctxs]
     steps = {}
     for kind in VARIANTS:
         net = gluon.nn.HybridSequential()
         for _ in range(LAYERS):
-            net.add(gluon.nn.Conv2D(16, 1, use_bias=False, in_channels=16), norm(kind),
-                    gluon.nn.Activation('relu'))
+            net.add(gluon.nn.Conv2D(16, 1, use_bias=False, in_channels=16),
+                    norm_layer(kind, n, cfg['sync_timeout']), gluon.nn.Activation('relu'))
         net.initialize(mx.init.Xavier(), ctx=ctxs)
         net.hybridize(**REGIMES[cfg['regime']])
 

@@ -69,22 +69,13 @@ def worker(cfg):
 
     ctxs = [mx.cpu(i) for i in range(n)]
 
-    def norm(kind):
-        if kind == 'plain':
-            return gluon.nn.BatchNorm(in_channels=16)
-        if kind == 'contrib':
-            return gluon.contrib.nn.SyncBatchNorm(in_channels=16, num_devices=n)
-        if kind == 'graph':
-            return _graph_only(16)
-        return gluon_syncbn.SyncBatchNorm(in_channels=16, timeout=cfg['sync_timeout'])
-
     steps, nets = {}, {}
     rng = np.random.RandomState(0)
     for kind in cfg['variants']:
         net = gluon.nn.HybridSequential()
         for _ in range(LAYERS):
-            net.add(gluon.nn.Conv2D(16, 1, use_bias=False, in_channels=16), norm(kind),
-                    gluon.nn.Activation('relu'))
+            net.add(gluon.nn.Conv2D(16, 1, use_bias=False, in_channels=16),
+                    norm_layer(kind, n, cfg['sync_timeout']), gluon.nn.Activation('relu'))
         net.initialize(mx.init.Xavier(), ctx=ctxs)
         if cfg['hybridize']:
             net.hybridize(static_alloc=True, static_shape=True)
@@ -110,6 +101,19 @@ def worker(cfg):
         res['ops'] = {kind: engine_operations(step) / (LAYERS * n)
                       for kind, step in steps.items()}
     return res
+
+
+def norm_layer(kind, n, sync_timeout):
+    """The BN layer of variant ``kind`` for the stack on ``n`` devices."""
+    import gluon_syncbn
+    from mxnet import gluon
+    if kind == 'plain':
+        return gluon.nn.BatchNorm(in_channels=16)
+    if kind == 'contrib':
+        return gluon.contrib.nn.SyncBatchNorm(in_channels=16, num_devices=n)
+    if kind == 'graph':
+        return _graph_only(16)
+    return gluon_syncbn.SyncBatchNorm(in_channels=16, timeout=sync_timeout)
 
 
 def _graph_only(channels):

@@ -1023,6 +1023,18 @@ class _RunAheadNet(gluon.HybridBlock):
         return self.conv(out)
 
 
+def _random_pass(net, rng, sizes, channels, ctxs):
+    """One forward and backward pass of ``net`` on a batch of random scale and
+    offset, split ``sizes`` over ``ctxs``, not waited for; returns the batch."""
+    x = (rng.randn(sum(sizes), channels, 4, 4) * rng.uniform(0.5, 3)
+         + rng.uniform(-2, 2)).astype(np.float32)
+    xs = [mx.nd.array(p, ctx=c) for p, c in zip(split_batch(x, sizes), ctxs)]
+    with autograd.record():
+        losses = [(net(a) ** 2).mean() for a in xs]
+    autograd.backward(losses)
+    return x
+
+
 @scenario
 def run_ahead(hybridize=False, calls=2, sizes=(3, 5), steps=20, micro_steps=2, seed=0):
     """Training that never waits between steps, as GPU loops do: ``steps``
@@ -1053,13 +1065,7 @@ def run_ahead(hybridize=False, calls=2, sizes=(3, 5), steps=20, micro_steps=2, s
 
     for _ in range(steps):
         for _ in range(micro_steps):
-            x = (rng.randn(sum(sizes), channels, 4, 4) * rng.uniform(0.5, 3)
-                 + rng.uniform(-2, 2)).astype(np.float32)
-            xs = [mx.nd.array(p, ctx=c) for p, c in zip(split_batch(x, sizes), ctxs)]
-            with autograd.record():
-                losses = [(net(a) ** 2).mean() for a in xs]
-            autograd.backward(losses)
-            batch = x
+            batch = _random_pass(net, rng, sizes, channels, ctxs)
             for _ in range(calls):
                 update(batch)
                 batch = batchnorm_float64(batch, np.zeros_like(batch), ones, zeros)[0] * 0.5 + 1
@@ -1132,13 +1138,7 @@ def train_and_predict(hybridize=False, sizes=(3, 5), epochs=3, steps=4, seed=0):
     checks = []
     for _ in range(epochs):
         for _ in range(steps):
-            x = (rng.randn(sum(sizes), channels, 4, 4) * rng.uniform(0.5, 3)
-                 + rng.uniform(-2, 2)).astype(np.float32)
-            xs = [mx.nd.array(p, ctx=c) for p, c in zip(split_batch(x, sizes), ctxs)]
-            with autograd.record():
-                losses = [(net(a) ** 2).mean() for a in xs]
-            autograd.backward(losses)
-            _float64_two_layers(x, stats)
+            _float64_two_layers(_random_pass(net, rng, sizes, channels, ctxs), stats)
         x = rng.randn(sum(sizes), channels, 4, 4).astype(np.float32) * 2 + 1
         ys = [net(mx.nd.array(p, ctx=c)) for p, c in zip(split_batch(x, sizes), ctxs)]
         checks.append((ys, _float64_two_layers(x, stats, train=False)))

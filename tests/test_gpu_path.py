@@ -24,16 +24,23 @@ MODE_IDS = ['imperative', 'hybridized', 'static_shape']
 TRAINING_BOUND = {True: 25, 'static': 8}
 
 
+SCENARIOS = ['operations_per_call', 'train_and_predict']
+
+
 @pytest.fixture(scope='module', params=list(PATHS))
-def counts(request):
-    return request.param, run_batch([('operations_per_call', dict(hybridize=m)) for m in MODES],
-                                    timeout=400, env=PATHS[request.param])
+def results(request):
+    """Both scenarios in every mode, one process per path; returns the path
+    and ``{(scenario, mode): the case's result, or its failure}``."""
+    cases = [(name, m) for name in SCENARIOS for m in MODES]
+    batch = run_batch([(name, dict(hybridize=m)) for name, m in cases], timeout=400,
+                      env=PATHS[request.param])
+    return request.param, {case: batch[i] for i, case in enumerate(cases)}
 
 
 @pytest.mark.parametrize('mode', MODES, ids=MODE_IDS)
-def test_predict_mode_costs_what_nn_batchnorm_costs(counts, mode):
-    path, batch = counts
-    result = result_of(batch, MODES.index(mode))
+def test_predict_mode_costs_what_nn_batchnorm_costs(results, mode):
+    path, by_case = results
+    result = result_of(by_case, ('operations_per_call', mode))
     assert result['operator'] == PATH_OPERATOR[path], result
     # Per layer call per device: an operation of ours would add 1 or more;
     # the profiler's count varies by an operation or so per run (an engine
@@ -45,11 +52,11 @@ def test_predict_mode_costs_what_nn_batchnorm_costs(counts, mode):
 
 
 @pytest.mark.parametrize('mode', MODES, ids=MODE_IDS)
-def test_a_training_call_waits_for_the_host_once_per_direction(counts, mode):
-    path, batch = counts
+def test_a_training_call_waits_for_the_host_once_per_direction(results, mode):
+    path, by_case = results
     if path != 'exchange-device':
         pytest.skip('the stand-in CUDA runtime counts the exchange operator\'s copies')
-    result = result_of(batch, MODES.index(mode))
+    result = result_of(by_case, ('operations_per_call', mode))
     assert result['train_waits'] == 4, result  # forward and backward: up, then down
     assert result['train_refused'] == 0, result
     # up: m1, m2, v, gamma, beta, running mean and variance; d scale, d shift
@@ -60,24 +67,18 @@ def test_a_training_call_waits_for_the_host_once_per_direction(counts, mode):
 
 
 @pytest.mark.parametrize('mode', [True, 'static'], ids=MODE_IDS[1:])
-def test_training_operations_stay_within_the_bound(counts, mode):
-    path, batch = counts
+def test_training_operations_stay_within_the_bound(results, mode):
+    path, by_case = results
     if PATH_OPERATOR[path] != 'exchange':
         pytest.skip('the bound is the exchange operator\'s')
-    result = result_of(batch, MODES.index(mode))
+    result = result_of(by_case, ('operations_per_call', mode))
     assert result['train'] <= TRAINING_BOUND[mode], result
 
 
-@pytest.fixture(scope='module', params=list(PATHS))
-def predictions(request):
-    return request.param, run_batch([('train_and_predict', dict(hybridize=m)) for m in MODES],
-                                    timeout=400, env=PATHS[request.param])
-
-
 @pytest.mark.parametrize('mode', MODES, ids=MODE_IDS)
-def test_predict_calls_amid_training_see_the_running_statistics(predictions, mode):
-    path, batch = predictions
-    result = result_of(batch, MODES.index(mode))
+def test_predict_calls_amid_training_see_the_running_statistics(results, mode):
+    path, by_case = results
+    result = result_of(by_case, ('train_and_predict', mode))
     assert result['operator'] == PATH_OPERATOR[path], result
     assert result['predict'] < 1e-5, result
     assert result['two_graphs'] == float(mode is not False), result
