@@ -66,16 +66,17 @@ def cache_with_library(tmp_path):
 
 
 def test_built_at_first_use_into_the_cache(tmp_path):
-    out = python(TWO_DEVICE_STEP, GLUON_SYNCBN_CACHE=str(tmp_path))
+    cache_root = tmp_path / 'new' / 'cache'  # made, with its parents, at the first call
+    out = python(TWO_DEVICE_STEP, GLUON_SYNCBN_CACHE=str(cache_root))
     assert reported(out, 'OPERATOR') == 'async'
     assert float(reported(out, 'ERROR')) < 1e-5
     import gluon_syncbn  # noqa: F401 (before mxnet: the GPU build's CUDA libraries)
     import mxnet
-    built = sorted(os.listdir(tmp_path / ('mxnet-%s' % mxnet.__version__)))
+    folder = cache_root / ('mxnet-%s' % mxnet.__version__)
+    built = sorted(os.listdir(folder))
     # The library, and the verdict of its asynchronous operator's self-test.
     assert len(built) == 2 and built[0].endswith('.so'), built
     assert built[1] == built[0] + '.async.selftest', built
-    folder = tmp_path / ('mxnet-%s' % mxnet.__version__)
     from gluon_syncbn.native import cache
     # ... reached on that very file
     assert cache.read_verdict(str(folder / built[1])) == (

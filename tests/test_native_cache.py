@@ -119,6 +119,21 @@ def lines(out, key):
     return [l.split(None, 1)[1] for l in out.stdout.splitlines() if l.startswith(key + ' ')]
 
 
+def test_a_new_cache_is_made_private(tmp_path):
+    from gluon_syncbn.native import cache
+    root = tmp_path / 'not' / 'yet' / 'cache'  # nor its parents
+    library = root / 'mxnet-1.9.1' / 'libgluon_syncbn-x.so'
+    old = os.umask(0o022)
+    try:
+        cache.make_directories(str(library.parent), str(root))
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(os.stat(str(root)).st_mode) == 0o700
+    assert stat.S_IMODE(os.stat(str(library.parent)).st_mode) == 0o700
+    assert stat.S_IMODE(os.stat(str(root.parent)).st_mode) == 0o755  # not ours to close
+    assert cache.untrusted(str(library), str(root)) == ''
+
+
 def test_a_cache_only_you_can_write_is_used(caches):
     out = caches['load']()
     assert lines(out, 'LOADED') == ['True'], out.stderr[-3000:]

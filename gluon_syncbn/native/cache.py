@@ -87,7 +87,9 @@ def untrusted(library, cache_root):
 
 def make_directories(directory, cache_root):
     """``directory`` and those above it up to ``cache_root``, each made 0700
-    where it is missing."""
+    where it is missing (those above the cache's root as any program makes
+    them)."""
+    os.makedirs(os.path.dirname(os.path.abspath(cache_root)), exist_ok=True)
     missing = []
     while not os.path.isdir(directory) and directory != os.path.dirname(directory):
         missing.append(directory)
