@@ -2,6 +2,7 @@
 self-test and load its own native library, twice (the second time from the
 cache). Usage: shared_cache.py CPU_PYTHON GPU_PYTHON, with the GPU venv's
 extra library path (the driver stand-in) in LD_LIBRARY_PATH_GPU."""
+import hashlib
 import os
 import subprocess
 import sys
@@ -53,8 +54,12 @@ def main(cpu_python, gpu_python):
             sys.exit('the cache holds %s, not %s' % (files, expected))
         for path in first:
             with open(path + '.async.selftest') as f:
-                if f.read() != 'ok':
-                    sys.exit('%s.async.selftest is not ok' % path)
+                digest, _, verdict = f.read().partition('\n')
+            with open(path, 'rb') as f:
+                library = 'sha256 ' + hashlib.sha256(f.read()).hexdigest()
+            if verdict != 'ok' or digest != library:
+                sys.exit('%s.async.selftest is not ok on this library: %r, %r (%s)' % (
+                    path, digest, verdict, library))
         again = [run(python, cache, extra) for python, extra in environments]
         if again != first or built(cache) != files:
             sys.exit('the second run did not reuse its own build: %s, %s' % (again,

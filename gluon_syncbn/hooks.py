@@ -157,8 +157,8 @@ def traced_ndim(symbol):
     if not shapes:
         return None
     try:
-        known = {n: s for n, s in shapes.items() if n in set(symbol.list_inputs())}
-        _, out, _ = symbol.infer_shape_partial(**known)
+        inputs = set(symbol.list_inputs())
+        _, out, _ = symbol.infer_shape_partial(**{n: s for n, s in shapes.items() if n in inputs})
     except Exception:  # pylint: disable=broad-except
         return None
     return len(out[0]) if out and out[0] else None

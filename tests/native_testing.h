@@ -77,8 +77,8 @@ int cuda_stream_create(void** stream, unsigned flags) {
 }
 int cuda_memcpy_async(void* to, const void* from, size_t bytes, int kind, void* stream) {
   const int64_t copy = g_cuda_calls[0] + g_cuda_calls[1] + g_cuda_calls[4];
-  if (copy == g_cuda_fail_at || (kind != kCudaMemcpyDeviceToHost && kind != kCudaMemcpyHostToDevice) ||
-      *static_cast<int*>(stream) != t_cuda_device) {
+  const bool known_kind = kind == kCudaMemcpyDeviceToHost || kind == kCudaMemcpyHostToDevice;
+  if (copy == g_cuda_fail_at || !known_kind || *static_cast<int*>(stream) != t_cuda_device) {
     ++g_cuda_calls[4];
     return 700;  // cudaErrorIllegalAddress
   }

@@ -261,7 +261,7 @@ void exchange_op_forward(const mxnet::OpStatePtr& state, const mxnet::OpContext&
 
 struct ExchangeBackward : ExchangeCall {
   using ExchangeCall::ExchangeCall;
-  std::vector<int> reqs;
+  std::vector<int> outputs, reqs;  // the outputs written (their indices) and how
 };
 
 // Inputs: d scale, d shift; outputs: d m2, d v, d gamma, d beta.
@@ -280,6 +280,7 @@ void exchange_op_backward(const mxnet::OpStatePtr& state, const mxnet::OpContext
   for (size_t i = 0; i < out.size(); ++i) {
     if (req[i] == kNull) continue;
     c->written.push_back(out[i]);
+    c->outputs.push_back(static_cast<int>(i));
     c->reqs.push_back(req[i]);
   }
   const bool adds = std::count(c->reqs.begin(), c->reqs.end(), kAddTo) > 0;
@@ -290,9 +291,6 @@ void exchange_op_backward(const mxnet::OpStatePtr& state, const mxnet::OpContext
   std::vector<double> contribution =
       backward_contribution(c->node.params, c->stats, c->state.m1, c->state.count, &gamma,
                             &d_scale, &d_shift, &inv_stds, &d_gamma);
-  std::vector<int> which;  // the written outputs' indices
-  for (size_t i = 0; i < out.size(); ++i)
-    if (req[i] != kNull) which.push_back(static_cast<int>(i));
   c->keep = {in[0], in[1]};
   c->keep.insert(c->keep.end(), out.begin(), out.end());
   c->exchange_backward(contribution, [=](const std::vector<double>& total) {
@@ -301,9 +299,9 @@ void exchange_op_backward(const mxnet::OpStatePtr& state, const mxnet::OpContext
       local_moment_grads(total, c->state.count, c->stats, c->state.local_mean, gamma, inv_stds,
                          &d_m2, &d_v);
       const std::vector<double>* grads[] = {&d_m2, &d_v, &d_gamma, &d_shift};  // d beta: d shift
-      for (size_t k = 0; k < which.size(); ++k)
+      for (size_t k = 0; k < c->outputs.size(); ++k)
         for (size_t ch = 0; ch < d_m2.size(); ++ch)
-          put(c->images[k], ch, (*grads[which[k]])[ch], c->reqs[k]);
+          put(c->images[k], ch, (*grads[c->outputs[k]])[ch], c->reqs[k]);
       c->finish();
     });
   });

@@ -182,8 +182,9 @@ struct SyncCall : std::enable_shared_from_this<SyncCall> {
   // of a step that failed earlier.
   bool number() {
     std::string error;
-    return number_call(*node.layer, node.device, node.params.static_shape, node.token, &token, &call,
-                       &error) || completed_with(error);
+    return number_call(*node.layer, node.device, node.params.static_shape, node.token, &token,
+                       &call, &error) ||
+           completed_with(error);
   }
 
   // Backward: the forward's statistics, and a head gradient of a dtype the
