@@ -51,11 +51,10 @@ def test_predict_mode_costs_what_nn_batchnorm_costs(results, mode):
             assert result['predict_' + name] == 0, result
 
 
+@pytest.mark.parametrize('results', ['exchange-device'], indirect=True)  # the stand-in counts
 @pytest.mark.parametrize('mode', MODES, ids=MODE_IDS)
 def test_a_training_call_waits_for_the_host_once_per_direction(results, mode):
-    path, by_case = results
-    if path != 'exchange-device':
-        pytest.skip('the stand-in CUDA runtime counts the exchange operator\'s copies')
+    _, by_case = results
     result = result_of(by_case, ('operations_per_call', mode))
     assert result['train_waits'] == 4, result  # forward and backward: up, then down
     assert result['train_refused'] == 0, result
@@ -66,11 +65,10 @@ def test_a_training_call_waits_for_the_host_once_per_direction(results, mode):
     assert result['train_streams'] == 0, result  # one per device, made at the first call
 
 
+@pytest.mark.parametrize('results', ['exchange', 'exchange-device'], indirect=True)
 @pytest.mark.parametrize('mode', [True, 'static'], ids=MODE_IDS[1:])
 def test_training_operations_stay_within_the_bound(results, mode):
-    path, by_case = results
-    if PATH_OPERATOR[path] != 'exchange':
-        pytest.skip('the bound is the exchange operator\'s')
+    _, by_case = results
     result = result_of(by_case, ('operations_per_call', mode))
     assert result['train'] <= TRAINING_BOUND[mode], result
 
