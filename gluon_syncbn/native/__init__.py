@@ -229,7 +229,8 @@ def _trusted_library():
         for marker in cache.verdicts(path):
             os.remove(marker)  # verdicts on a library that is gone
         build(path, root)
-    _state['digest'] = cache.digest(path)
+        digest = cache.digest(path)
+    _state['digest'] = digest
     return path
 
 
