@@ -20,6 +20,7 @@ from .errors import SyncBatchNormError, SyncBatchNormTimeout  # noqa: E402
 from .block import SyncBatchNorm  # noqa: E402
 from .convert import convert_model, revert_model  # noqa: E402
 from .session import reset  # noqa: E402
+from .precise_bn import update_bn_stats  # noqa: E402
 from . import hooks as _hooks  # noqa: E402
 
 # MXNet's classes patched where the layer needs it (each patch does nothing
@@ -28,4 +29,5 @@ _hooks.install()
 
 __version__ = '0.1.0'
 __all__ = ['SyncBatchNorm', 'SyncBatchNormError', 'SyncBatchNormTimeout',
-           'configure_cpu_contexts', 'convert_model', 'revert_model', 'reset']
+           'configure_cpu_contexts', 'convert_model', 'revert_model', 'reset',
+           'update_bn_stats']

@@ -188,6 +188,15 @@ class SyncBatchNorm(HybridBlock):
         self._synchronizes = len(devices) > 1 or self._transport.cross_process
         self._checked_contexts = contexts
 
+    def _training_backend(self):
+        """The backend of the training calls on the parameters' contexts,
+        made now if need be (the first call's checks run first), or None
+        where the layer does not synchronize (it is ``nn.BatchNorm`` there)."""
+        contexts = self.gamma.list_ctx()
+        if contexts is not self._checked_contexts:
+            self._check_devices(contexts)
+        return self._backend_for(contexts) if self._synchronizes else None
+
     def _backend_for(self, contexts):
         """The backend for ``contexts``, made at the first call on them,
         once, whichever of the devices' threads comes first."""

@@ -25,6 +25,7 @@
   and aborts the step if calls are still waiting after a bounded time.
 """
 import atexit
+import contextlib
 import threading
 
 import mxnet as mx
@@ -129,16 +130,23 @@ def _blocks(block):
         yield from _blocks(child)
 
 
-def _forward_imperatively(block, args):
-    """``block(*args)`` with every block of its tree un-hybridized for this call."""
+@contextlib.contextmanager
+def imperatively(block):
+    """Every block of ``block``'s tree un-hybridized in the context."""
     active = [b for b in _blocks(block) if getattr(b, '_active', False)]
     for b in active:
         b._active = False  # the flag alone: the cached graphs stay for later calls
     try:
-        return block.forward(*args)
+        yield
     finally:
         for b in active:
             b._active = True
+
+
+def _forward_imperatively(block, args):
+    """``block(*args)`` with every block of its tree un-hybridized for this call."""
+    with imperatively(block):
+        return block.forward(*args)
 
 
 # What a hybridized block's cached graph is: Gluon's attributes for it.

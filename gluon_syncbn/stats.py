@@ -33,7 +33,7 @@ import numpy as np
 from . import wire
 
 __all__ = ['forward_contribution', 'merge', 'normalize_coefficients',
-           'backward_contribution', 'local_moment_grads']
+           'backward_contribution', 'local_moment_grads', 'Tally']
 
 
 def forward_contribution(count, m1, m2, v):
@@ -85,3 +85,49 @@ def local_moment_grads(total, count, n, mean, local_mean, gamma, inv_std):
     d_m2 = g_delta * w + g_var * 2.0 * w * (local_mean - mean)
     d_v = g_var * w
     return d_m2, d_v
+
+
+class Tally(object):
+    """Over a run of training calls (:func:`gluon_syncbn.update_bn_stats`):
+    their number and the float64 sums of each call's ``n``, ``n * mean`` and
+    ``n * var``, so that the averages weighted by ``n`` are :meth:`average`
+    (``native/stats.h`` has it too). Tallies of calls on different slices
+    add up (``+``).
+
+    Parameters
+    ----------
+    calls : int
+        Training calls tallied.
+    n : float
+        Their samples per channel.
+    mean_sum, var_sum : array of float64, or None (no call)
+        Sums of ``n * mean`` and ``n * var`` (biased variance) per channel.
+    """
+
+    def __init__(self, calls=0, n=0.0, mean_sum=None, var_sum=None):
+        self.calls, self.n = calls, float(n)
+        self.mean_sum = None if mean_sum is None else np.asarray(mean_sum, np.float64)
+        self.var_sum = None if var_sum is None else np.asarray(var_sum, np.float64)
+
+    def add(self, n, mean, var):
+        """Tally one call with statistics ``n``, ``mean``, ``var``."""
+        self.calls += 1
+        self.n += n
+        if self.mean_sum is None:
+            self.mean_sum, self.var_sum = np.zeros(len(mean)), np.zeros(len(var))
+        self.mean_sum += n * np.asarray(mean, np.float64)
+        self.var_sum += n * np.asarray(var, np.float64)
+
+    def __add__(self, other):
+        if other.mean_sum is None:
+            return Tally(self.calls, self.n, self.mean_sum, self.var_sum)
+        if self.mean_sum is None:
+            return other + self
+        return Tally(self.calls + other.calls, self.n + other.n,
+                     self.mean_sum + other.mean_sum, self.var_sum + other.var_sum)
+
+    def average(self):
+        """``(mean, var)`` weighted by each call's ``n``; None without samples."""
+        if self.mean_sum is None or self.n <= 0:
+            return None
+        return self.mean_sum / self.n, self.var_sum / self.n

@@ -218,7 +218,43 @@ def _operators(net):
     return found
 
 
-SCENARIOS = {'layer': layer, 'train': train}
+def precise_bn(backend, devices, sizes, batches=3, hybridize=False, seed=0):
+    """gluon_syncbn.update_bn_stats on tests.scenarios._PreciseNet across the
+    workers, each with its slices of the same global batches, against float64
+    maths on the global batches; ``digest``: a checksum of the running
+    statistics, which must be the same on every worker, and ``differs``
+    whether this worker's devices disagree (0.0: they agree bit for bit)."""
+    from tests.scenarios import _PreciseNet, _precise_float64
+    if 0 in sizes:
+        mx.util.set_np_shape(True)
+    worker = Worker(backend, devices, sizes)
+    rng = np.random.RandomState(seed)
+    channels = 3
+    net = _PreciseNet(channels, kvstore=worker.kvstore, timeout=60)
+    net.initialize(ctx=worker.ctxs)
+    gamma, beta = rng.uniform(0.5, 1.5, channels), rng.uniform(-0.5, 0.5, channels)
+    net.bn1.gamma.set_data(mx.nd.array(gamma))
+    net.bn1.beta.set_data(mx.nd.array(beta))
+    if hybridize:
+        net.hybridize(static_alloc=hybridize == 'static', static_shape=hybridize == 'static')
+    xs = [(rng.randn(int(sum(sizes)), channels, 4, 4) * rng.uniform(0.5, 3)
+           + rng.uniform(-2, 2)).astype(np.float32) for _ in range(batches)]
+    used = gluon_syncbn.update_bn_stats(net, [worker.slices(x) for x in xs], batches,
+                                        progress=False)
+    expected = _precise_float64(xs, sizes, gamma, beta)
+    got = [[p.data(c).asnumpy() for layer in (net.bn1, net.bn2)
+            for p in (layer.running_mean, layer.running_var)] for c in worker.ctxs]
+    errs = WorstErrors()
+    for i, mine in zip(worker.mine, got):
+        for name, a, b in zip(('mean1', 'var1', 'mean2', 'var2'), mine, expected[i]):
+            errs.note(name, a, b)
+    errs['differs'] = float(any((a != b).any() for mine in got for a, b in zip(got[0], mine)))
+    errs['used_all'] = float(batches - used)
+    return dict(errs, rank=worker.rank, operator=net.bn1._sync_backend.name,
+                digest=zlib.crc32(b''.join(a.tobytes() for a in got[0])))
+
+
+SCENARIOS = {'layer': layer, 'train': train, 'precise_bn': precise_bn}
 
 if __name__ == '__main__':
     if os.environ.get('DIST_WORKER_TRACEBACK_AFTER'):  # where a hung worker waits

@@ -220,3 +220,22 @@ def test_horovod_trainer_matches_full_batch_training(hybridize):
     kwargs = dict(backend='horovod', devices=1, sizes=[3, 2], hybridize=hybridize)
     code, output, _, results = run_job(2, 'train', kwargs, backend='horovod')
     assert_exact(code, output, results, 2, tol=5e-6)
+
+
+@pytest.mark.parametrize('backend,launcher,devices,sizes,extra', [
+    ('dist_sync', 'kvstore', 2, [1, 3, 2, 1], {}),
+    ('dist_sync', 'kvstore', 2, [2, 1, 0, 0], {'hybridize': 'static'}),  # an empty shard
+    ('horovod', 'horovod', 2, [1, 3, 2, 1], {'hybridize': True}),
+])
+def test_precise_bn_is_exact_and_identical_on_every_worker(backend, launcher, devices, sizes,
+                                                           extra):
+    """update_bn_stats over the workers' shards: float64 maths on the global
+    batches, the same bits on every device of every worker."""
+    if backend == 'horovod' and HOROVOD:
+        pytest.skip(HOROVOD)
+    kwargs = dict(backend=backend, devices=devices, sizes=sizes, **extra)
+    code, output, _, results = run_job(2, 'precise_bn', kwargs, backend=launcher,
+                                       servers=1 if launcher == 'kvstore' else None)
+    digests = {rank: r.pop('digest') for rank, r in results.items()}
+    assert_exact(code, output, results, 2)
+    assert len(set(digests.values())) == 1, digests

@@ -95,6 +95,21 @@ def test_tiny_training_run_learns_and_checkpoints_round_trip(tmp_path):
     assert len(resumed['loss']) == 4   # epochs 3 and 4 appended to the saved history
 
 
+def test_precise_bn_before_each_evaluation(tmp_path):
+    """--precise-bn: the mIoU before it is kept, and the checkpoint holds the
+    precise statistics (evaluating it gives the mIoU after)."""
+    save = str(tmp_path / 'run')
+    common = ['--train-size', '32', '--val-size', '16', '--crop-size', '32',
+              '--num-devices', '2', '--batch-size', '4', '--save-dir', save, '--no-figures']
+    result = run_train(common + ['--epochs', '2', '--precise-bn', '3'])
+    assert len(result['precise_bn_seconds']) == 2, result
+    assert 0 <= result['miou_before_precise_bn'] <= 1, result
+    history = json.load(open(os.path.join(save, 'history.json')))
+    assert len(history['miou_before_precise_bn']) == 2, history
+    evaluated = run_train(common + ['--eval', '--resume', os.path.join(save, 'epoch_0002.params')])
+    assert evaluated['miou'] == pytest.approx(result['miou'], abs=1e-9)
+
+
 @pytest.mark.parametrize('module,package,flags', [
     ('matplotlib', 'matplotlib', []),
     ('tqdm', 'tqdm', ['--no-figures']),

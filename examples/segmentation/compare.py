@@ -1,11 +1,14 @@
 """Why SyncBN: the same model trained with 1 image per device on 4 CPU contexts,
 once with nn.BatchNorm and once with SyncBatchNorm (same seed, data and budget).
 
-    python examples/segmentation/compare.py [--epochs 6] [--save-dir runs/compare]
+    python examples/segmentation/compare.py [--epochs 6] [--precise-bn 40]
+                                            [--save-dir runs/compare]
 
 Reports validation pixAcc/mIoU in eval mode (running statistics, how the model is
 deployed) and in train mode (batch statistics), whose difference is the eval-mode
-gap. Writes compare.json and compare.md into the save directory.
+gap; with ``--precise-bn N``, eval mode after gluon_syncbn.update_bn_stats over N
+training batches, and before it. Writes compare.json and compare.md into the save
+directory.
 """
 import argparse
 import json
@@ -19,11 +22,14 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 def run(norm_flag, args, save_dir):
     cmd = [sys.executable, os.path.join(HERE, 'train.py'), norm_flag, '--num-devices', '4',
            '--batch-size', '4', '--epochs', str(args.epochs), '--seed', str(args.seed),
-           '--save-dir', save_dir, '--no-figures']
+           '--save-dir', save_dir, '--no-figures', '--precise-bn', str(args.precise_bn)]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
     if out.returncode != 0:
         raise SystemExit(out.stdout[-2000:] + out.stderr[-2000:])
     result = json.loads(out.stdout.strip().splitlines()[-1])
+    history = json.load(open(os.path.join(save_dir, 'history.json')))
+    result['history'] = history['miou']
+    result['history_before'] = history.get('miou_before_precise_bn', [])
     # evaluate the last checkpoint in train mode too (batch statistics)
     ckpt = os.path.join(save_dir, 'epoch_%04d.params' % args.epochs)
     code = ('import sys, json; sys.path.insert(0, %r); import train; '
@@ -44,19 +50,39 @@ def main():
     p.add_argument('--epochs', type=int, default=6)
     p.add_argument('--seed', type=int, default=0)
     p.add_argument('--save-dir', default='runs/compare')
+    p.add_argument('--precise-bn', type=int, default=0, metavar='N')
     p.add_argument('--timeout', type=int, default=3600)
     args = p.parse_args()
     os.makedirs(args.save_dir, exist_ok=True)
     results = {name: run(flag, args, os.path.join(args.save_dir, name))
                for name, flag in (('BatchNorm', '--no-syncbn'), ('SyncBatchNorm', '--syncbn'))}
-    lines = ['| 1 image/device, 4 CPU contexts, %d epochs | val mIoU (eval mode) | val pixAcc '
-             '(eval mode) | val mIoU (train mode) | eval-mode gap | training loss | seconds '
-             'per epoch (median) |' % args.epochs, '|---|---|---|---|---|---|---|']
+    def median(values):
+        return sorted(values)[len(values) // 2]
+
+    head = ['1 image/device, 4 CPU contexts, %d epochs' % args.epochs, 'val mIoU (eval mode)']
+    if args.precise_bn:
+        head += ['val mIoU (eval mode) after precise BN over %d batches' % args.precise_bn]
+    head += ['val pixAcc (eval mode%s)' % (', after' if args.precise_bn else ''),
+             'val mIoU (train mode)', 'eval-mode gap', 'training loss',
+             'seconds per epoch (median)']
+    if args.precise_bn:
+        head += ['seconds of precise BN (median)']
+    lines = ['| %s |' % ' | '.join(head), '|' + '---|' * len(head)]
     for name, r in results.items():
         tm = r['train_mode'][1]
-        lines.append('| %s | %.3f | %.3f | %.3f | %+.3f | %.3f | %.1f |' % (
-            name, r['miou'], r['pixacc'], tm, r['miou'] - tm, r['loss'][-1],
-            sorted(r['seconds'])[len(r['seconds']) // 2]))
+        row = [name, '%.3f' % r.get('miou_before_precise_bn', r['miou'])]
+        if args.precise_bn:
+            row += ['%.3f' % r['miou']]
+        row += ['%.3f' % r['pixacc'], '%.3f' % tm, '%+.3f' % (r['miou'] - tm),
+                '%.3f' % r['loss'][-1], '%.1f' % median(r['seconds'])]
+        if args.precise_bn:
+            row += ['%.1f' % median(r['precise_bn_seconds'])]
+        lines.append('| %s |' % ' | '.join(row))
+    if args.precise_bn:
+        lines.append('\nval mIoU (eval mode) per epoch, before -> after precise BN:')
+        for name, r in results.items():
+            lines.append('- %s: %s' % (name, ', '.join(
+                '%.3f -> %.3f' % pair for pair in zip(r['history_before'], r['history']))))
     json.dump(results, open(os.path.join(args.save_dir, 'compare.json'), 'w'), indent=1)
     open(os.path.join(args.save_dir, 'compare.md'), 'w').write('\n'.join(lines) + '\n')
     print('\n'.join(lines))

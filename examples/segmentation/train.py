@@ -53,6 +53,9 @@ def parse_args(argv=None):
     p.add_argument('--resume', default=None, help='checkpoint .params to continue from')
     p.add_argument('--eval', action='store_true', help='only evaluate (--resume checkpoint)')
     p.add_argument('--seed', type=int, default=0)
+    p.add_argument('--precise-bn', type=int, default=0, metavar='N',
+                   help='before each evaluation, recompute the running statistics over N '
+                        'training batches (gluon_syncbn.update_bn_stats)')
     p.add_argument('--no-hybridize', dest='hybridize', action='store_false', default=True)
     p.add_argument('--no-figures', dest='figures', action='store_false', default=True)
     args = p.parse_args(argv)
@@ -224,10 +227,18 @@ def train(args):
             bar.set_postfix_str('loss %.4f lr %.4f' % (total / count, trainer.learning_rate))
         bar.close()
         pixacc, miou = evaluate(net, val_loader, ctxs, num_classes)
+        seconds = time.time() - tic  # training and evaluation
+        if args.precise_bn:
+            log.info('epoch %d: val mIoU %.4f before precise BN', epoch + 1, miou)
+            history.setdefault('miou_before_precise_bn', []).append(miou)
+            tic = time.time()
+            gluon_syncbn.update_bn_stats(net, train_loader, args.precise_bn, ctx_list=ctxs)
+            history.setdefault('precise_bn_seconds', []).append(time.time() - tic)
+            pixacc, miou = evaluate(net, val_loader, ctxs, num_classes)
         history['loss'].append(total / max(count, 1))
         history['pixacc'].append(pixacc)
         history['miou'].append(miou)
-        history.setdefault('seconds', []).append(time.time() - tic)  # training and evaluation
+        history.setdefault('seconds', []).append(seconds)
         log.info('epoch %d: loss %.4f, val pixAcc %.4f, mIoU %.4f (%.1fs)', epoch + 1,
                  total / max(count, 1), pixacc, miou, history['seconds'][-1])
         ckpt = os.path.join(args.save_dir, 'epoch_%04d.params' % (epoch + 1))
@@ -239,6 +250,9 @@ def train(args):
     result = {'pixacc': history['pixacc'][-1] if history['pixacc'] else None,
               'miou': history['miou'][-1] if history['miou'] else None,
               'loss': history['loss'], 'seconds': history.get('seconds', [])}
+    if history.get('miou_before_precise_bn'):
+        result['miou_before_precise_bn'] = history['miou_before_precise_bn'][-1]
+        result['precise_bn_seconds'] = history['precise_bn_seconds']
     if args.figures:
         figures(args, net, val_set, ctxs, history)
     return result

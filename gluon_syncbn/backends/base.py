@@ -75,6 +75,21 @@ class Backend(object):
         graph, the network's: see ``SyncBatchNorm.cast``)."""
         raise NotImplementedError
 
+    def start_tally(self):
+        """Start tallying the global statistics of this layer's training calls
+        on every device (see :class:`~gluon_syncbn.stats.Tally`), from empty
+        tallies; no call may be in flight."""
+        raise NotImplementedError
+
+    def stop_tally(self):
+        """Stop tallying; the tallies stay readable."""
+        raise NotImplementedError
+
+    def tally(self, device):
+        """Device ``device``'s :class:`~gluon_syncbn.stats.Tally` since
+        :meth:`start_tally`, once its calls have completed."""
+        raise NotImplementedError
+
     def fail_pending(self, cause):
         """Wake this layer's calls that wait in Python with ``cause``."""
 

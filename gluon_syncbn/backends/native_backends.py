@@ -6,6 +6,7 @@ removed with it; the operators take it as their ``layer`` argument.
 """
 import weakref
 
+from ..stats import Tally
 from .base import Backend
 from .vector_graph import VectorBackend
 
@@ -46,7 +47,22 @@ def _arguments(backend, handle):
                 fix_gamma=str(kwargs['fix_gamma']), axis=str(kwargs['axis']), name='sync')
 
 
-class AsyncBackend(Backend):
+class _NativeTallies(object):
+    """The tallies of a native backend's layer, kept by the native session
+    (``add_to_tally`` in ``native/session.h``)."""
+
+    def start_tally(self):
+        self._lib.tally(self.handle, True)
+
+    def stop_tally(self):
+        self._lib.tally(self.handle, False)
+
+    def tally(self, device):
+        counts = self._lib.read_tally(self.handle, device, self._layer().gamma.shape[0])
+        return Tally(*counts) if counts is not None else Tally()
+
+
+class AsyncBackend(_NativeTallies, Backend):
     """The asynchronous operator (``native/async_op.h``): the whole call in
     one operator of MXNet's own kind, without a custom operator's threads.
     It reads and writes every float dtype as it is, so no Cast surrounds it."""
@@ -56,7 +72,7 @@ class AsyncBackend(Backend):
 
     def __init__(self, layer, devices, transport, lib, functions):
         super(AsyncBackend, self).__init__(layer, devices, transport)
-        self._functions = functions
+        self._functions, self._lib = functions, lib
         self.handle = native_layer(self, lib)
         self._arguments = _arguments(self, self.handle)
 
@@ -67,7 +83,7 @@ class AsyncBackend(Backend):
                                   **self._arguments)
 
 
-class ExchangeBackend(VectorBackend):
+class ExchangeBackend(_NativeTallies, VectorBackend):
     """The exchange operator (``native/exchange_op.h``) on the per-channel
     moments MXNet's operators compute on the device."""
 
@@ -76,7 +92,7 @@ class ExchangeBackend(VectorBackend):
 
     def __init__(self, layer, devices, transport, lib, functions):
         super(ExchangeBackend, self).__init__(layer, devices, transport)
-        self._functions = functions
+        self._functions, self._lib = functions, lib
         self.handle = native_layer(self, lib)
         self._arguments = _arguments(self, self.handle)
 

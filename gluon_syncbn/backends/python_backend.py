@@ -5,6 +5,8 @@ The graph is the exchange operator's (:mod:`.vector_graph`); the custom
 operator (:mod:`.python_op`) computes the (scale, shift) from the vectors of
 every device, which meet at a :class:`~gluon_syncbn.barrier.CallOrderBarrier`.
 """
+import threading
+
 import numpy as np
 
 from .. import messages, wire
@@ -12,6 +14,7 @@ from ..barrier import CallOrderBarrier
 from ..cpu_contexts import on_cpu_path
 from ..errors import SyncBatchNormError
 from ..session import SESSION
+from ..stats import Tally
 from . import python_op
 from .vector_graph import VectorBackend
 
@@ -22,6 +25,7 @@ class PythonBackend(VectorBackend):
     """The Python operator's backend; see :class:`~.base.Backend`."""
 
     name = 'python'
+    tallying = False
 
     def __init__(self, layer, devices, transport):
         super(PythonBackend, self).__init__(layer, devices, transport)
@@ -29,6 +33,8 @@ class PythonBackend(VectorBackend):
         self.barrier = CallOrderBarrier(self.layer_name, self.devices, self.timeout, SESSION,
                                         hint=self.hint)
         self.handle = python_op.register(self)
+        self._tallies = None  # a Tally per device while tallying
+        self._tally_lock = threading.Lock()
 
     def forward(self, F, x, gamma, beta, running_mean, running_var, dtype, static_shape,
                 imperative):
@@ -42,6 +48,24 @@ class PythonBackend(VectorBackend):
                                  x.context, dtype)
         return super(PythonBackend, self).forward(F, x, gamma, beta, running_mean,
                                                   running_var, dtype, static_shape, imperative)
+
+    def start_tally(self):
+        with self._tally_lock:
+            self._tallies = [Tally() for _ in self.devices]
+            self.tallying = True
+
+    def stop_tally(self):
+        self.tallying = False
+
+    def tally(self, device):
+        with self._tally_lock:
+            return self._tallies[device] if self._tallies else Tally()
+
+    def add_to_tally(self, device, n, mean, var):
+        """Tally a training call's global statistics on ``device``, if tallying."""
+        with self._tally_lock:
+            if self.tallying:
+                self._tallies[device].add(n, mean, var)
 
     def fail_pending(self, cause):
         self.barrier.fail_pending(cause)

@@ -125,6 +125,7 @@ class SyncBatchNormOp(mx.operator.CustomOp):
             total = barrier.meet(key, self.device, (contribution, self.input_dtype),
                                  self.backend.reduce, token=self.token)[self.sync_group]
             n, mean, var = stats.merge(total)
+            self.backend.add_to_tally(self.device, n, mean, var)
             self._update_running(aux, mean, var)
             token, call = key[1], key[2]
         scale, shift, _ = stats.normalize_coefficients(mean, var, m1, gamma, beta, self.eps)

@@ -36,6 +36,10 @@ class Library(object):
                                        c.POINTER(c.c_int), c.c_int, c.c_int,
                                        c.POINTER(c.c_double), c.c_int], c.c_int64),
                 ('gsbn_layer_remove', [c.c_int64], None),
+                ('gsbn_tally', [c.c_int64, c.c_int], None),
+                ('gsbn_tally_read', [c.c_int64, c.c_int, c.POINTER(c.c_double),
+                                     c.POINTER(c.c_double), c.POINTER(c.c_double), c.c_int],
+                 c.c_int),
                 ('gsbn_step', [c.c_int], c.c_uint64),
                 ('gsbn_abort', [c.c_char_p, c.c_int], None),
                 ('gsbn_error', [c.c_int, c.c_char_p, c.c_int, c.c_char_p, c.c_int], c.c_int),
@@ -69,6 +73,23 @@ class Library(object):
 
     def remove_layer(self, layer):
         self._lib.gsbn_layer_remove(layer)
+
+    def tally(self, layer, on):
+        """Start (``on``: every device's tally emptied) or stop ``layer``'s tally."""
+        self._lib.gsbn_tally(layer, int(on))
+
+    def read_tally(self, layer, device, channels):
+        """Device ``device``'s tally of ``layer``: ``(calls, n, mean_sum, var_sum)``
+        (float64 arrays of ``channels``), or None if no call was tallied."""
+        c = ctypes
+        counts, mean_sum, var_sum = (c.c_double * 2)(), (c.c_double * channels)(), \
+            (c.c_double * channels)()
+        size = self._lib.gsbn_tally_read(layer, device, counts, mean_sum, var_sum, channels)
+        if size <= 0:
+            return None
+        if size != channels:
+            raise ValueError('the tally has %d channels, not %d' % (size, channels))
+        return counts[0], counts[1], list(mean_sum), list(var_sum)
 
     def token(self, begin=False):
         """The current step's token; ``begin``: a step begins first."""

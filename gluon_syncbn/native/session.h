@@ -10,6 +10,7 @@
 #include <mxnet/c_api.h>
 
 #include <array>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <condition_variable>
@@ -27,6 +28,7 @@
 #include <vector>
 
 #include "messages.h"
+#include "stats.h"
 #include "transport.h"
 #include "wire.h"
 
@@ -114,6 +116,10 @@ struct Layer : std::enable_shared_from_this<Layer> {
   std::shared_ptr<Transport> transport;
   int slot = -1;
   std::vector<double> ownership;
+  // While a tally is on, each device's forward calls add their global
+  // statistics to its tally (add_to_tally).
+  std::atomic<bool> tallying{false};
+  std::vector<Tally> tallies;
 };
 
 // The layers of g_live that still exist, the others forgotten (lock held).
@@ -579,6 +585,14 @@ std::shared_ptr<Layer> find_layer(int64_t id, std::string* error) {
   if (it != g_layers.end()) return it->second;
   *error = message("unknown_layer", {{"layer", std::to_string(id)}});
   return nullptr;
+}
+
+// Adds the global statistics of a training call of `device` to the
+// device's tally, if one is on.
+void add_to_tally(Layer& g, int device, const Info& stats) {
+  if (!g.tallying) return;
+  std::lock_guard<std::mutex> lock(g_mutex);
+  if (g.tallying) g.tallies[device].add(stats);
 }
 
 // Numbers a forward call of `device`: sets its step token and call number, or

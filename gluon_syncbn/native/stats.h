@@ -110,6 +110,28 @@ void local_moment_grads(const std::vector<double>& total, double count, const In
   }
 }
 
+// A device's tally (gluon_syncbn.update_bn_stats): over the training calls
+// it saw, their number and the sums of each call's global n, n * mean and
+// n * var; stats.py's Tally.
+struct Tally {
+  double calls = 0, n = 0;
+  std::vector<double> mean_sum, var_sum;
+
+  void add(const Info& stats) {
+    const size_t C = stats.mean.size();
+    if (mean_sum.size() != C) {
+      mean_sum.assign(C, 0.0);
+      var_sum.assign(C, 0.0);
+    }
+    calls += 1;
+    n += stats.n;
+    for (size_t c = 0; c < C; ++c) {
+      mean_sum[c] += stats.n * stats.mean[c];
+      var_sum[c] += stats.n * stats.var[c];
+    }
+  }
+};
+
 // ------------------------------------------------ whole calls in host memory --
 // The asynchronous operator's, with the maths above: its FORWARD vector is
 // centred on the slice's own mean (m1 = mean, m2 = 0, v = var), and y on 0

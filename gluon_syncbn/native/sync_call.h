@@ -218,6 +218,7 @@ struct SyncCall : std::enable_shared_from_this<SyncCall> {
       stats.token = static_cast<double>(self->token);
       stats.call = static_cast<double>(self->call);
       self->node.stats = self->stats = stats;
+      add_to_tally(*self->node.layer, self->node.device, stats);
       then(stats);
     });
   }

@@ -38,6 +38,7 @@
 
 #include <mxnet/c_api.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstring>
 #include <memory>
@@ -117,6 +118,37 @@ void gsbn_layer_remove(int64_t layer) {
   forget_layer_staging(layer);
   std::lock_guard<std::mutex> lock(g_mutex);
   g_layers.erase(layer);
+}
+
+// Starts a layer's tally (`on`: every device's emptied) or stops it.
+void gsbn_tally(int64_t layer, int on) {
+  std::string error;
+  auto g = find_layer(layer, &error);
+  if (!g) return;
+  std::lock_guard<std::mutex> lock(g_mutex);
+  if (on) g->tallies.assign(g->devices.size(), Tally());
+  g->tallying = on != 0;
+}
+
+// Device `device`'s tally of layer `layer`: its calls and n in counts[0..1],
+// its sums in mean_sum and var_sum (`channels` each, if that is their
+// size). Returns their size (0: no call was tallied), or -1 for an unknown
+// layer or device.
+int gsbn_tally_read(int64_t layer, int device, double* counts, double* mean_sum,
+                    double* var_sum, int channels) {
+  std::string error;
+  auto g = find_layer(layer, &error);
+  std::lock_guard<std::mutex> lock(g_mutex);
+  if (!g || device < 0 || device >= static_cast<int>(g->tallies.size())) return -1;
+  const Tally& t = g->tallies[device];
+  const int size = static_cast<int>(t.mean_sum.size());
+  counts[0] = t.calls;
+  counts[1] = t.n;
+  if (size == channels) {
+    std::copy(t.mean_sum.begin(), t.mean_sum.end(), mean_sum);
+    std::copy(t.var_sum.begin(), t.var_sum.end(), var_sum);
+  }
+  return size;
 }
 
 // The current step's token; `begin`: a training step begins first (Python's

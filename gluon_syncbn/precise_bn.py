@@ -1,0 +1,370 @@
+"""Precise running statistics: :func:`update_bn_stats` recomputes every
+batch-norm layer's running mean and variance over many batches with the
+weights fixed, exactly, and identically on every device and worker.
+
+The running statistics a network trains with are an exponential average of
+its last batches' statistics, seen while the weights still moved. Here the
+network runs in training mode without recording, and each layer's training
+calls are tallied (:class:`~gluon_syncbn.stats.Tally`):
+
+* a SyncBatchNorm layer that synchronizes tallies, on every device, the
+  global statistics each call normalizes with, where its backend computes
+  them (the native session or the Python operator), across processes as
+  within one: every device of a sync group tallies the same numbers in the
+  same order;
+* ``nn.BatchNorm``, and a SyncBatchNorm layer that does not synchronize (one
+  device, one process), tallies the float64 moments of its input on the
+  input's device, from a forward pre-hook; its devices' tallies are summed,
+  so that every device gets the same statistics.
+
+A network whose batch-norm layers all synchronize runs as it trains, through
+its graphs if hybridized. It runs imperatively (its graphs stay for later
+calls) where a layer of the second kind needs its pre-hook, which a graph
+does not call, and where a layer runs in static_shape graphs: their
+operators are made once, so a call issued before a failure but run after
+it cannot tell (it would wait for its partners until the timeout), whereas
+an imperative call knows the step it was issued in.
+"""
+import contextlib
+import itertools
+
+import mxnet as mx
+import numpy as np
+from mxnet import autograd, gluon
+from mxnet.util import is_np_array, is_np_shape
+
+from .block import SyncBatchNorm
+from .errors import SyncBatchNormError, warn_user
+from .hooks import imperatively
+from .stats import Tally
+
+__all__ = ['update_bn_stats']
+
+NAME = 'gluon_syncbn.update_bn_stats'
+
+
+def update_bn_stats(net, data, num_batches=200, ctx_list=None, batch_axis=0, progress=True):
+    """Set every batch-norm layer's running statistics to their precise
+    values over ``num_batches`` batches of ``data``, the weights fixed
+    ("precise BN", fvcore's ``update_bn_stats``).
+
+    A layer's running mean and variance become the averages, weighted by
+    each batch's sample count, of the mean and (biased) variance it
+    normalizes each batch with in training mode, accumulated in float64.
+    For a SyncBatchNorm layer those are the statistics of the whole batch
+    over all devices and workers, so every device and worker gets the same
+    values (the devices of a sync group get their group's); for an
+    ``nn.BatchNorm`` layer, those of its slices, averaged over this
+    process's devices. Layers with ``use_global_stats=True`` are left alone.
+
+    The network runs in training mode (Dropout too) without recording. The
+    weights, gradients, a Trainer's state and the layers' momentum are
+    untouched. If anything fails, or the run is interrupted, every layer
+    keeps its original running statistics, and the exception says so.
+
+    Parameters
+    ----------
+    net : Block
+        The network, initialized; hybridized or not.
+    data : iterable
+        The batches. With ``ctx_list``: as a DataLoader yields them, an
+        NDArray, or a tuple whose first element is the network's input
+        (``(data, label)``), split over ``ctx_list`` as ``split_and_load``
+        splits it. Without ``ctx_list``: each item is one step's input,
+        already split as the training loop splits it: a list with one input
+        per context (an NDArray, or a tuple of NDArrays for a network with
+        several inputs), or one NDArray on one context.
+    num_batches : int or None, default 200
+        How many batches to use; None: all of ``data``. Every worker must
+        use the same number.
+    ctx_list : list of Context, or None
+        The contexts to split each batch over.
+    batch_axis : int, default 0
+        The batch axis of ``data``'s arrays, with ``ctx_list``.
+    progress : bool, default True
+        Show a tqdm progress bar (where tqdm is installed).
+
+    Returns
+    -------
+    int
+        The number of batches used.
+    """
+    if num_batches is not None and (int(num_batches) != num_batches or num_batches < 1):
+        raise ValueError('%s: num_batches must be a positive integer or None, got %r'
+                         % (NAME, num_batches))
+    tallies = [_tally_of(layer) for layer in _batchnorm_layers(net)]
+    if not tallies:
+        warn_user('%s: %s has no batch-norm layer that uses batch statistics; nothing '
+                  'to do.' % (NAME, net.name))
+        return 0
+    contexts = tallies[0].contexts
+    # Calls issued before must not be tallied, and the copies kept for a
+    # failure must hold the statistics as they are.
+    mx.nd.waitall()
+    saved = [_copies(t.layer) for t in tallies]
+    done = 0
+    bar = _progress_bar(progress, num_batches, data)
+    try:
+        for t in tallies:
+            t.start()
+        imperative = any(isinstance(t, _LocalTally) or t.layer._static_shape for t in tallies)
+        try:
+            with imperatively(net) if imperative else contextlib.nullcontext():
+                pending = []
+                for i, batch in enumerate(itertools.islice(data, num_batches)):
+                    steps = _inputs(batch, ctx_list, batch_axis, contexts, i)
+                    # A step per batch: only an exception that leaves a
+                    # batch half-issued aborts the step (hooks), failing
+                    # the calls that wait for it; one from the data leaves
+                    # the batches issued before to finish.
+                    with autograd.pause(train_mode=True):
+                        outputs = [net(*inputs) for inputs in steps]
+                    _wait(pending)  # at most one batch ahead of the engine
+                    pending = outputs
+                    done += 1
+                    bar.update(1)
+            mx.nd.waitall()
+        finally:
+            for t in tallies:
+                t.stop()
+        if not done:
+            raise SyncBatchNormError('%s: data gave no batch.' % NAME)
+        averages = [t.averages() for t in tallies]
+        for t, values in zip(tallies, averages):
+            _write(t.layer, values)
+    except BaseException as exc:
+        _restore(tallies, saved)
+        _explain(exc, "%s stopped after %d batch(es): every layer's running statistics are "
+                      "as they were before the call." % (NAME, done))
+        raise
+    finally:
+        bar.close()
+    unused = [t.layer.name for t, values in zip(tallies, averages) if values is None]
+    if unused:
+        warn_user('%s: %s saw no sample in training mode, and keep their running '
+                  'statistics.' % (NAME, ', '.join(unused)))
+    if num_batches is not None and done < num_batches:
+        warn_user('%s: data ended after %d of %d batches; the statistics are over those.'
+                  % (NAME, done, num_batches))
+    return done
+
+
+# -------------------------------------------------------------- the layers --
+
+def _batchnorm_layers(net):
+    """The batch-norm layers of ``net`` that normalize with batch statistics
+    in training mode, each once."""
+    seen, stack, found = set(), [net], []
+    while stack:
+        block = stack.pop(0)
+        if id(block) in seen:
+            continue
+        seen.add(id(block))
+        stack.extend(block._children.values())
+        if not isinstance(block, (SyncBatchNorm, gluon.nn.BatchNorm)):
+            continue
+        if block._kwargs.get('use_global_stats'):
+            continue
+        if block._kwargs.get('ndev', 1) > 1:
+            raise SyncBatchNormError(
+                "%s: '%s' is mxnet.gluon.contrib.nn.SyncBatchNorm, whose statistics cannot be "
+                "read. Convert the network with gluon_syncbn.convert_model first."
+                % (NAME, block.name))
+        if block.running_mean._data is None:
+            raise SyncBatchNormError(
+                "%s: '%s' has no running statistics yet (its parameters are not initialized, "
+                "or wait for their shape): initialize the network and run it on one batch "
+                "first." % (NAME, block.name))
+        found.append(block)
+    return found
+
+
+def _tally_of(layer):
+    backend = layer._training_backend() if isinstance(layer, SyncBatchNorm) else None
+    return _SyncedTally(layer, backend) if backend is not None else _LocalTally(layer)
+
+
+class _SyncedTally(object):
+    """A synchronizing SyncBatchNorm layer's tallies: each device's, of the
+    global statistics its calls normalized with (kept by the backend)."""
+
+    def __init__(self, layer, backend):
+        self.layer, self.backend = layer, backend
+        self.contexts = layer.running_mean.list_ctx()
+
+    def start(self):
+        self.backend.start_tally()
+
+    def stop(self):
+        self.backend.stop_tally()
+
+    def averages(self):
+        """Each context's ``(mean, var)``, or None if its device saw no call."""
+        values = [self.backend.tally(d).average() for d in range(len(self.contexts))]
+        return None if all(v is None for v in values) else values
+
+
+class _LocalTally(object):
+    """An ``nn.BatchNorm`` layer's tally (or a SyncBatchNorm layer's that does
+    not synchronize): the float64 moments of its inputs, summed on each
+    device, then over the devices."""
+
+    def __init__(self, layer):
+        self.layer = layer
+        self.contexts = layer.running_mean.list_ctx()
+        self._sums, self._hook = {}, None
+
+    def start(self):
+        self._sums = {}
+        self._hook = self.layer.register_forward_pre_hook(self._add)
+
+    def stop(self):
+        if self._hook is not None:
+            self._hook.detach()
+            self._hook = None
+
+    def _add(self, layer, inputs):
+        x = inputs[0]
+        x = x.as_nd_ndarray() if is_np_array() else x
+        axis = layer._kwargs['axis'] % x.ndim
+        n = x.size // x.shape[axis] if x.shape[axis] else 0
+        if n == 0:
+            return  # an empty slice: nothing to tally
+        axes = tuple(a for a in range(x.ndim) if a != axis)
+        mean, var = mx.nd.moments(x.astype('float64'), axes=axes)
+        sums = self._sums.get(x.context)
+        if sums is None:
+            self._sums[x.context] = [1, n, mean * n, var * n]
+        else:
+            sums[0] += 1
+            sums[1] += n
+            sums[2] += mean * n
+            sums[3] += var * n
+
+    def averages(self):
+        total = Tally()
+        for ctx in self.contexts:
+            if ctx in self._sums:
+                calls, n, mean_sum, var_sum = self._sums[ctx]
+                total = total + Tally(calls, n, mean_sum.asnumpy(), var_sum.asnumpy())
+        value = total.average()
+        return None if value is None else [value] * len(self.contexts)
+
+
+# -------------------------------------------------------------- the batches --
+
+def _inputs(batch, ctx_list, batch_axis, contexts, index):
+    """The network's arguments for each device's call of batch ``index``."""
+    if ctx_list is not None:
+        x = batch[0] if isinstance(batch, (list, tuple)) else batch
+        steps = [(s,) for s in _split(x, ctx_list, batch_axis, index)]
+    elif isinstance(batch, (list, tuple)):
+        steps = [tuple(s) if isinstance(s, (list, tuple)) else (s,) for s in batch]
+    else:
+        steps = [(batch,)]
+    given = [str(s[0].context) if hasattr(s[0], 'context') else type(s[0]).__name__
+             for s in steps]
+    if sorted(given) != sorted(str(c) for c in contexts):
+        raise SyncBatchNormError(
+            "%s: batch %d has inputs on [%s], but the network's batch-norm layers are on "
+            "[%s]. Pass one input per context (a list, as the training loop gives the "
+            "network), or pass the DataLoader's batches with ctx_list=." % (
+                NAME, index, ', '.join(given), ', '.join(str(c) for c in contexts)))
+    return steps
+
+
+def _split(x, ctx_list, batch_axis, index):
+    """``x`` split over ``ctx_list`` as ``split_and_load`` splits it; with
+    fewer samples than contexts, the last slices are empty."""
+    if isinstance(x, np.ndarray):
+        x = mx.nd.array(x)
+    size = x.shape[batch_axis]
+    if size >= len(ctx_list):
+        return gluon.utils.split_and_load(x, ctx_list, batch_axis, even_split=False)
+    if not is_np_shape():
+        raise SyncBatchNormError(
+            "%s: batch %d has %d sample(s) for %d contexts, and MXNet handles empty slices "
+            "only in NumPy shape mode. Use a DataLoader with last_batch='discard', or call "
+            "mx.util.set_np_shape(True) at the start of the program." % (
+                NAME, index, size, len(ctx_list)))
+    slices = gluon.utils.split_and_load(x, ctx_list[:size], batch_axis, even_split=False) \
+        if size else []
+    shape = list(x.shape)
+    shape[batch_axis] = 0
+    zeros = mx.np.zeros if is_np_array() else mx.nd.zeros
+    return slices + [zeros(tuple(shape), ctx=c, dtype=x.dtype) for c in ctx_list[size:]]
+
+
+def _wait(outputs):
+    for out in outputs:
+        if isinstance(out, (list, tuple)):
+            _wait(out)
+        elif hasattr(out, 'wait_to_read'):
+            out.wait_to_read()
+
+
+# --------------------------------------------------- running statistics --
+
+def _running_arrays(layer):
+    """Each context's running mean and variance, as legacy NDArrays (views)."""
+    return [[p.data(c).as_nd_ndarray() for p in (layer.running_mean, layer.running_var)]
+            for c in layer.running_mean.list_ctx()]
+
+
+def _copies(layer):
+    return [[a.copy() for a in arrays] for arrays in _running_arrays(layer)]
+
+
+def _write(layer, values):
+    """Each context's ``(mean, var)`` into its running statistics (None:
+    left as they are)."""
+    if values is None:
+        return
+    for arrays, value in zip(_running_arrays(layer), values):
+        if value is not None:
+            for array, v in zip(arrays, value):
+                array[:] = v.astype(array.dtype)
+
+
+def _restore(tallies, saved):
+    try:
+        mx.nd.waitall()  # the calls still running; their error is the one being raised
+    except Exception:  # pylint: disable=broad-except
+        pass
+    for t, copies in zip(tallies, saved):
+        for arrays, kept in zip(_running_arrays(t.layer), copies):
+            for array, copy in zip(arrays, kept):
+                array[:] = copy
+    mx.nd.waitall()
+
+
+def _explain(exc, text):
+    """Add ``text`` to the exception being raised (a warning where Python
+    has no exception notes)."""
+    if hasattr(exc, 'add_note'):
+        exc.add_note(text)
+    else:
+        warn_user(text)
+
+
+# ------------------------------------------------------------- progress --
+
+class _NoBar(object):
+    def update(self, n):
+        pass
+
+    def close(self):
+        pass
+
+
+def _progress_bar(enabled, num_batches, data):
+    if not enabled:
+        return _NoBar()
+    try:
+        from tqdm import tqdm  # pylint: disable=import-outside-toplevel
+    except ImportError:
+        return _NoBar()
+    total = num_batches
+    if hasattr(data, '__len__'):
+        total = len(data) if total is None else min(total, len(data))
+    return tqdm(total=total, desc='update_bn_stats', leave=False)
