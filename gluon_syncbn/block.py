@@ -288,8 +288,11 @@ class SyncBatchNorm(HybridBlock):
             SESSION.clear_failed_arrays()
         else:
             dtype = self._input_dtype
+        # An imperative call is static in no sense: its operator is made for
+        # it and knows the step it was issued in, also in a static network
+        # run imperatively (an empty slice's call, update_bn_stats).
         return backend.forward(F, x, gamma, beta, running_mean, running_var, dtype,
-                               self._static_shape, imperative)
+                               self._static_shape and not imperative, imperative)
 
     def __repr__(self):
         s = '{name}({content}'

@@ -97,45 +97,20 @@ def update_bn_stats(net, data, num_batches=200, ctx_list=None, batch_axis=0, pro
         warn_user('%s: %s has no batch-norm layer that uses batch statistics; nothing '
                   'to do.' % (NAME, net.name))
         return 0
-    contexts = tallies[0].contexts
     # Calls issued before must not be tallied, and the copies kept for a
     # failure must hold the statistics as they are.
     mx.nd.waitall()
     saved = [_copies(t.layer) for t in tallies]
-    done = 0
-    bar = _progress_bar(progress, num_batches, data)
+    bar = _ProgressBar(progress, num_batches, data)
     try:
-        for t in tallies:
-            t.start()
-        imperative = any(isinstance(t, _LocalTally) or t.layer._static_shape for t in tallies)
-        try:
-            with imperatively(net) if imperative else contextlib.nullcontext():
-                pending = []
-                for i, batch in enumerate(itertools.islice(data, num_batches)):
-                    steps = _inputs(batch, ctx_list, batch_axis, contexts, i)
-                    # A step per batch: only an exception that leaves a
-                    # batch half-issued aborts the step (hooks), failing
-                    # the calls that wait for it; one from the data leaves
-                    # the batches issued before to finish.
-                    with autograd.pause(train_mode=True):
-                        outputs = [net(*inputs) for inputs in steps]
-                    _wait(pending)  # at most one batch ahead of the engine
-                    pending = outputs
-                    done += 1
-                    bar.update(1)
-            mx.nd.waitall()
-        finally:
-            for t in tallies:
-                t.stop()
-        if not done:
-            raise SyncBatchNormError('%s: data gave no batch.' % NAME)
+        _run(net, tallies, itertools.islice(data, num_batches), ctx_list, batch_axis, bar)
         averages = [t.averages() for t in tallies]
         for t, values in zip(tallies, averages):
             _write(t.layer, values)
     except BaseException as exc:
         _restore(tallies, saved)
         _explain(exc, "%s stopped after %d batch(es): every layer's running statistics are "
-                      "as they were before the call." % (NAME, done))
+                      "as they were before the call." % (NAME, bar.done))
         raise
     finally:
         bar.close()
@@ -143,10 +118,41 @@ def update_bn_stats(net, data, num_batches=200, ctx_list=None, batch_axis=0, pro
     if unused:
         warn_user('%s: %s saw no sample in training mode, and keep their running '
                   'statistics.' % (NAME, ', '.join(unused)))
-    if num_batches is not None and done < num_batches:
+    if num_batches is not None and bar.done < num_batches:
         warn_user('%s: data ended after %d of %d batches; the statistics are over those.'
-                  % (NAME, done, num_batches))
-    return done
+                  % (NAME, bar.done, num_batches))
+    return bar.done
+
+
+def _run(net, tallies, batches, ctx_list, batch_axis, bar):
+    """``net`` in training mode without recording on every batch, its
+    layers' tallies on."""
+    # Imperatively where a pre-hook must see a layer's input, and where a
+    # static_shape graph's calls could not tell the step they were issued in.
+    imperative = any(isinstance(t, _LocalTally) or t.layer._static_shape for t in tallies)
+    contexts = tallies[0].contexts
+    for t in tallies:
+        t.start()
+    try:
+        with imperatively(net) if imperative else contextlib.nullcontext():
+            pending = []
+            for i, batch in enumerate(batches):
+                steps = _inputs(batch, ctx_list, batch_axis, contexts, i)
+                # A step per batch: only an exception that leaves a batch
+                # half-issued aborts the step (hooks), failing the calls that
+                # wait for it; one from the data lets the batches issued
+                # before finish.
+                with autograd.pause(train_mode=True):
+                    outputs = [net(*inputs) for inputs in steps]
+                _wait(pending)  # at most one batch ahead of the engine
+                pending = outputs
+                bar.update()
+        mx.nd.waitall()
+    finally:
+        for t in tallies:
+            t.stop()
+    if not bar.done:
+        raise SyncBatchNormError('%s: data gave no batch.' % NAME)
 
 
 # -------------------------------------------------------------- the layers --
@@ -349,22 +355,29 @@ def _explain(exc, text):
 
 # ------------------------------------------------------------- progress --
 
-class _NoBar(object):
-    def update(self, n):
-        pass
+class _ProgressBar(object):
+    """Counts the batches done; shows them with tqdm where it is installed
+    and ``enabled``."""
+
+    def __init__(self, enabled, num_batches, data):
+        self.done = 0
+        self._bar = None
+        if not enabled:
+            return
+        try:
+            from tqdm import tqdm  # pylint: disable=import-outside-toplevel
+        except ImportError:
+            return
+        total = num_batches
+        if hasattr(data, '__len__'):
+            total = len(data) if total is None else min(total, len(data))
+        self._bar = tqdm(total=total, desc='update_bn_stats', leave=False)
+
+    def update(self):
+        self.done += 1
+        if self._bar is not None:
+            self._bar.update(1)
 
     def close(self):
-        pass
-
-
-def _progress_bar(enabled, num_batches, data):
-    if not enabled:
-        return _NoBar()
-    try:
-        from tqdm import tqdm  # pylint: disable=import-outside-toplevel
-    except ImportError:
-        return _NoBar()
-    total = num_batches
-    if hasattr(data, '__len__'):
-        total = len(data) if total is None else min(total, len(data))
-    return tqdm(total=total, desc='update_bn_stats', leave=False)
+        if self._bar is not None:
+            self._bar.close()

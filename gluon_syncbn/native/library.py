@@ -80,7 +80,7 @@ class Library(object):
 
     def read_tally(self, layer, device, channels):
         """Device ``device``'s tally of ``layer``: ``(calls, n, mean_sum, var_sum)``
-        (float64 arrays of ``channels``), or None if no call was tallied."""
+        (the sums as lists of ``channels`` floats), or None if no call was tallied."""
         c = ctypes
         counts, mean_sum, var_sum = (c.c_double * 2)(), (c.c_double * channels)(), \
             (c.c_double * channels)()
