@@ -56,6 +56,7 @@ def main():
     os.makedirs(args.save_dir, exist_ok=True)
     results = {name: run(flag, args, os.path.join(args.save_dir, name))
                for name, flag in (('BatchNorm', '--no-syncbn'), ('SyncBatchNorm', '--syncbn'))}
+
     def median(values):
         return sorted(values)[len(values) // 2]
 
