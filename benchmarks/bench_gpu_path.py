@@ -26,7 +26,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 from bench import run_worker  # noqa: E402
-from bench_overhead import LAYERS, engine_operations, norm_layer  # noqa: E402
+from bench_overhead import LAYERS, engine_operations, stack  # noqa: E402
 import report  # noqa: E402
 
 VARIANTS = ('plain', 'contrib', 'ours')
@@ -42,7 +42,7 @@ def worker(cfg):
     n = cfg['n']
     gluon_syncbn.configure_cpu_contexts(n, temp_slots=cfg['temp_slots'])
     import mxnet as mx
-    from mxnet import autograd, gluon
+    from mxnet import autograd
 
     ctxs = [mx.cpu(i) for i in range(n)]
 
@@ -50,11 +50,7 @@ def worker(cfg):
     xs = [mx.nd.array(rng.randn(2, 16, 2, 2), ctx=c) for c in ctxs]
     steps = {}
     for kind in VARIANTS:
-        net = gluon.nn.HybridSequential()
-        for _ in range(LAYERS):
-            net.add(gluon.nn.Conv2D(16, 1, use_bias=False, in_channels=16),
-                    norm_layer(kind, n, cfg['sync_timeout']), gluon.nn.Activation('relu'))
-        net.initialize(mx.init.Xavier(), ctx=ctxs)
+        net = stack(kind, ctxs, cfg['sync_timeout'])
         net.hybridize(**REGIMES[cfg['regime']])
 
         def train(net=net):

@@ -65,18 +65,14 @@ def worker(cfg):
     # every variant under the same settings
     gluon_syncbn.configure_cpu_contexts(n, temp_slots=cfg.get('temp_slots'))
     import mxnet as mx
-    from mxnet import autograd, gluon
+    from mxnet import autograd
 
     ctxs = [mx.cpu(i) for i in range(n)]
 
     steps, nets = {}, {}
     rng = np.random.RandomState(0)
     for kind in cfg['variants']:
-        net = gluon.nn.HybridSequential()
-        for _ in range(LAYERS):
-            net.add(gluon.nn.Conv2D(16, 1, use_bias=False, in_channels=16),
-                    norm_layer(kind, n, cfg['sync_timeout']), gluon.nn.Activation('relu'))
-        net.initialize(mx.init.Xavier(), ctx=ctxs)
+        net = stack(kind, ctxs, cfg['sync_timeout'])
         if cfg['hybridize']:
             net.hybridize(static_alloc=True, static_shape=True)
         xs = [mx.nd.array(rng.randn(2, 16, 2, 2), ctx=c) for c in ctxs]
@@ -101,6 +97,19 @@ def worker(cfg):
         res['ops'] = {kind: engine_operations(step) / (LAYERS * n)
                       for kind, step in steps.items()}
     return res
+
+
+def stack(kind, ctxs, sync_timeout):
+    """The benchmark's network, LAYERS x (conv 1x1 + BN + relu) with the BN
+    layer of variant ``kind``, initialized on ``ctxs`` (not hybridized)."""
+    import mxnet as mx
+    from mxnet import gluon
+    net = gluon.nn.HybridSequential()
+    for _ in range(LAYERS):
+        net.add(gluon.nn.Conv2D(16, 1, use_bias=False, in_channels=16),
+                norm_layer(kind, len(ctxs), sync_timeout), gluon.nn.Activation('relu'))
+    net.initialize(mx.init.Xavier(), ctx=ctxs)
+    return net
 
 
 def norm_layer(kind, n, sync_timeout):

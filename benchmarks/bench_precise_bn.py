@@ -25,7 +25,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 from bench import run_worker  # noqa: E402
-from bench_overhead import LAYERS, norm_layer  # noqa: E402
+from bench_overhead import LAYERS, stack  # noqa: E402
 import report  # noqa: E402
 
 KINDS = ('plain', 'ours')
@@ -40,7 +40,7 @@ def worker(cfg):
     n = cfg['n']
     gluon_syncbn.configure_cpu_contexts(n, temp_slots=cfg['temp_slots'])
     import mxnet as mx
-    from mxnet import autograd, gluon
+    from mxnet import autograd
 
     ctxs = [mx.cpu(i) for i in range(n)]
     rng = np.random.RandomState(0)
@@ -48,11 +48,7 @@ def worker(cfg):
                for _ in range(cfg['batches'])]
     runs = {}
     for kind in KINDS:
-        net = gluon.nn.HybridSequential()
-        for _ in range(LAYERS):
-            net.add(gluon.nn.Conv2D(16, 1, use_bias=False, in_channels=16),
-                    norm_layer(kind, n, cfg['sync_timeout']), gluon.nn.Activation('relu'))
-        net.initialize(mx.init.Xavier(), ctx=ctxs)
+        net = stack(kind, ctxs, cfg['sync_timeout'])
         net.hybridize()
 
         def forward(net=net, imperative=False):

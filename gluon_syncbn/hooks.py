@@ -124,16 +124,18 @@ def install_exit_abort_hook(session, waitall):
     atexit.register(abort_at_exit)
 
 
-def _blocks(block):
+def blocks_of(block):
+    """``block`` and every block of its tree, depth first (a shared child as
+    often as it appears)."""
     yield block
     for child in block._children.values():
-        yield from _blocks(child)
+        yield from blocks_of(child)
 
 
 @contextlib.contextmanager
 def imperatively(block):
     """Every block of ``block``'s tree un-hybridized in the context."""
-    active = [b for b in _blocks(block) if getattr(b, '_active', False)]
+    active = [b for b in blocks_of(block) if getattr(b, '_active', False)]
     for b in active:
         b._active = False  # the flag alone: the cached graphs stay for later calls
     try:
@@ -179,7 +181,7 @@ def tracing_for_prediction():
 
 
 def _synchronizes(block):
-    return any(getattr(b, '_synchronizes', False) for b in _blocks(block))
+    return any(getattr(b, '_synchronizes', False) for b in blocks_of(block))
 
 
 def _build(block, args, prediction):
@@ -269,7 +271,7 @@ def install_cached_op_hook(hybrid_block_class, session, is_training):
             # call rebuild it).
             graph, layers = getattr(self, '_gluon_syncbn_layers', (None, None))
             if layers is None or graph is not self._cached_op:
-                found = [b for b in _blocks(self) if hasattr(b, '_backend_for')]
+                found = [b for b in blocks_of(self) if hasattr(b, '_backend_for')]
                 layers = (', '.join("'%s'" % b.name for b in found),
                           len(found[0].gamma.list_ctx())) if found else ()
                 self._gluon_syncbn_layers = (self._cached_op, layers)

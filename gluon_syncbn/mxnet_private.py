@@ -107,7 +107,7 @@ The user's kvstore (``transport._serialize_calls``)
     Its methods are wrapped to take one lock, and ``init``/``broadcast`` drain
     the engine: 1.9.1's dist kvstore keeps per-key buffers in unguarded maps.
 
-Block trees (``hooks._blocks``, ``convert.py``)
+Block trees (``hooks.blocks_of``, ``convert.py``)
     ``Block._children``, the ordered children of a block, walked to find and
     replace layers.
 

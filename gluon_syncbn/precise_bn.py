@@ -35,7 +35,7 @@ from mxnet.util import is_np_array, is_np_shape
 
 from .block import SyncBatchNorm
 from .errors import SyncBatchNormError, warn_user
-from .hooks import imperatively
+from .hooks import blocks_of, imperatively
 from .stats import Tally
 
 __all__ = ['update_bn_stats']
@@ -160,15 +160,11 @@ def _run(net, tallies, batches, ctx_list, batch_axis, bar):
 def _batchnorm_layers(net):
     """The batch-norm layers of ``net`` that normalize with batch statistics
     in training mode, each once."""
-    seen, stack, found = set(), [net], []
-    while stack:
-        block = stack.pop(0)
-        if id(block) in seen:
+    seen, found = set(), []
+    for block in blocks_of(net):
+        if id(block) in seen or not isinstance(block, (SyncBatchNorm, gluon.nn.BatchNorm)):
             continue
         seen.add(id(block))
-        stack.extend(block._children.values())
-        if not isinstance(block, (SyncBatchNorm, gluon.nn.BatchNorm)):
-            continue
         if block._kwargs.get('use_global_stats'):
             continue
         if block._kwargs.get('ndev', 1) > 1:
@@ -218,7 +214,7 @@ class _LocalTally(object):
     def __init__(self, layer):
         self.layer = layer
         self.contexts = layer.running_mean.list_ctx()
-        self._sums, self._hook = {}, None
+        self._sums, self._hook = {}, None  # a Tally per context
 
     def start(self):
         self._sums = {}
@@ -238,21 +234,14 @@ class _LocalTally(object):
             return  # an empty slice: nothing to tally
         axes = tuple(a for a in range(x.ndim) if a != axis)
         mean, var = mx.nd.moments(x.astype('float64'), axes=axes)
-        sums = self._sums.get(x.context)
-        if sums is None:
-            self._sums[x.context] = [1, n, mean * n, var * n]
-        else:
-            sums[0] += 1
-            sums[1] += n
-            sums[2] += mean * n
-            sums[3] += var * n
+        self._sums.setdefault(x.context, Tally()).add(n, mean, var)  # on the device
 
     def averages(self):
         total = Tally()
         for ctx in self.contexts:
-            if ctx in self._sums:
-                calls, n, mean_sum, var_sum = self._sums[ctx]
-                total = total + Tally(calls, n, mean_sum.asnumpy(), var_sum.asnumpy())
+            t = self._sums.get(ctx)
+            if t is not None:
+                total = total + Tally(t.calls, t.n, t.mean_sum.asnumpy(), t.var_sum.asnumpy())
         value = total.average()
         return None if value is None else [value] * len(self.contexts)
 

@@ -110,13 +110,16 @@ class Tally(object):
         self.var_sum = None if var_sum is None else np.asarray(var_sum, np.float64)
 
     def add(self, n, mean, var):
-        """Tally one call with statistics ``n``, ``mean``, ``var``."""
+        """Tally one call with statistics ``n``, ``mean``, ``var``: float64
+        NumPy arrays, or float64 NDArrays, which then stay on their device
+        (``.asnumpy()`` the sums to read them)."""
         self.calls += 1
         self.n += n
         if self.mean_sum is None:
-            self.mean_sum, self.var_sum = np.zeros(len(mean)), np.zeros(len(var))
-        self.mean_sum += n * np.asarray(mean, np.float64)
-        self.var_sum += n * np.asarray(var, np.float64)
+            self.mean_sum, self.var_sum = mean * n, var * n
+        else:
+            self.mean_sum += mean * n
+            self.var_sum += var * n
 
     def __add__(self, other):
         if other.mean_sum is None:

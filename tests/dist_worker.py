@@ -224,7 +224,8 @@ def precise_bn(backend, devices, sizes, batches=3, hybridize=False, seed=0):
     maths on the global batches; ``digest``: a checksum of the running
     statistics, which must be the same on every worker, and ``differs``
     whether this worker's devices disagree (0.0: they agree bit for bit)."""
-    from tests.scenarios import _PreciseNet, _precise_float64
+    from tests.scenarios import (_PreciseNet, _precise_errors, _precise_float64,
+                                 _running_statistics)
     if 0 in sizes:
         mx.util.set_np_shape(True)
     worker = Worker(backend, devices, sizes)
@@ -242,12 +243,8 @@ def precise_bn(backend, devices, sizes, batches=3, hybridize=False, seed=0):
     used = gluon_syncbn.update_bn_stats(net, [worker.slices(x) for x in xs], batches,
                                         progress=False)
     expected = _precise_float64(xs, sizes, gamma, beta)
-    got = [[p.data(c).asnumpy() for layer in (net.bn1, net.bn2)
-            for p in (layer.running_mean, layer.running_var)] for c in worker.ctxs]
-    errs = WorstErrors()
-    for i, mine in zip(worker.mine, got):
-        for name, a, b in zip(('mean1', 'var1', 'mean2', 'var2'), mine, expected[i]):
-            errs.note(name, a, b)
+    got = _running_statistics(net, worker.ctxs)
+    errs = _precise_errors(got, [expected[i] for i in worker.mine])
     errs['differs'] = float(any((a != b).any() for mine in got for a, b in zip(got[0], mine)))
     errs['used_all'] = float(batches - used)
     return dict(errs, rank=worker.rank, operator=net.bn1._sync_backend.name,

@@ -1467,6 +1467,16 @@ def _running_statistics(net, ctxs):
              for p in (layer.running_mean, layer.running_var)] for c in ctxs]
 
 
+def _precise_errors(got, expected):
+    """Worst relative errors of :func:`_running_statistics` ``got`` against
+    :func:`_precise_float64` ``expected`` (the same devices, in order)."""
+    errs = WorstErrors()
+    for mine, want in zip(got, expected):
+        for name, a, b in zip(('mean1', 'var1', 'mean2', 'var2'), mine, want):
+            errs.note(name, a, b)
+    return errs
+
+
 def _everything_else(net, trainer):
     """Every parameter's value and gradient but the running statistics, and
     the Trainer's optimizer state, as NumPy arrays by name."""
@@ -1568,12 +1578,7 @@ def precise_bn(sizes=(3, 5), hybridize=False, second='sync', batches=4, dtype='f
         groups = partition(check_sync_groups(sync_groups), len(sizes), 'reference')
     gamma = net.bn1.gamma.data(ctxs[0]).asnumpy().astype(np.float64)
     beta = net.bn1.beta.data(ctxs[0]).asnumpy().astype(np.float64)
-    expected = _precise_float64(xs, sizes, gamma, beta, groups, second)
-    errs = WorstErrors()
-    for mine, want in zip(got, expected):
-        for name, a, b in zip(('mean1', 'var1', 'mean2', 'var2'), mine, want):
-            errs.note(name, a, b)
-    result.update(errs)
+    result.update(_precise_errors(got, _precise_float64(xs, sizes, gamma, beta, groups, second)))
     def same(devices, layer):  # layer 0: bn1's mean and var; 1: bn2's
         first = got[devices[0]][2 * layer:2 * layer + 2]
         return all((a == b).all() for i in devices

@@ -63,6 +63,8 @@ class PythonBackend(VectorBackend):
 
     def add_to_tally(self, device, n, mean, var):
         """Tally a training call's global statistics on ``device``, if tallying."""
+        if not self.tallying:
+            return  # every training call comes here: no lock unless tallying
         with self._tally_lock:
             if self.tallying:
                 self._tallies[device].add(n, mean, var)
