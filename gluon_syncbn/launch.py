@@ -14,7 +14,11 @@ Every line a process prints is forwarded with its role and index as prefix
 (``[worker 1] ...``). When all workers exit 0 the job succeeded. When a
 worker fails, a server or the scheduler exits early, or ``--deadline``
 passes, every process is ended (by process group: SIGTERM, then SIGKILL) and
-the launcher exits non-zero, naming the cause. Nothing is left running.
+the launcher exits non-zero, naming the process that failed first and the
+last error its traceback showed. Nothing is left running, however the
+launcher itself ends: a guard process of its own session ends the job's
+process groups once the launcher is gone, also when it was killed with
+SIGKILL (``timeout -k``, the OOM killer, a CI runner).
 
 Example::
 
@@ -35,7 +39,9 @@ import time
 __all__ = ['main', 'Job']
 
 EXIT_DEADLINE = 124  # like coreutils' timeout
-_SERVER_COMMAND = [sys.executable, '-c', 'import mxnet']  # runs ps-lite's role at import
+# Runs ps-lite's role at MXNet's import; gluon_syncbn's import first loads the
+# GPU wheel's CUDA libraries, without which that wheel does not import.
+_SERVER_COMMAND = [sys.executable, '-c', 'import gluon_syncbn']
 
 
 def free_port():
@@ -47,6 +53,10 @@ def free_port():
 
 class Job(object):
     """The processes of one job: start, forward output, watch, end.
+
+    A guard process (:func:`guard`) learns every process group the job
+    starts and ends them if the launcher goes away without ending them
+    itself.
 
     Parameters
     ----------
@@ -67,7 +77,10 @@ class Job(object):
         self.out = out or sys.stdout
         self._out_lock = threading.Lock()
         self.procs = {}
-        self._readers = []
+        self.ended = {}   # label: when its process exited (time.monotonic())
+        self.errors = {}  # label: the last line naming an exception in its tracebacks
+        self._threads = []
+        self._guard = None
 
     def say(self, label, line):
         with self._out_lock:
@@ -75,21 +88,56 @@ class Job(object):
             self.out.flush()
 
     def _forward(self, label, stream):
+        in_traceback = False
         for raw in iter(stream.readline, b''):
-            self.say(label, raw.decode('utf-8', 'replace'))
+            line = raw.decode('utf-8', 'replace').rstrip('\n')
+            self.say(label, line)
+            if line.endswith('Traceback (most recent call last):'):  # MXNet's: at the end
+                in_traceback = True
+            elif in_traceback and line and not line[0].isspace():
+                self.errors[label] = line  # the exception's own line ends a traceback
+                in_traceback = False
         stream.close()
 
+    def _wait(self, label, proc):
+        proc.wait()
+        self.ended[label] = time.monotonic()
+
     def start(self):
+        self._guard = subprocess.Popen(
+            [sys.executable, os.path.abspath(__file__), GUARD_FLAG], stdin=subprocess.PIPE,
+            start_new_session=True)  # out of reach of whatever ends the launcher's group
         for label, argv, env in self.commands:
             proc = subprocess.Popen(
                 argv, env=dict(os.environ, **env), stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                 start_new_session=True)  # its own process group: we end its children too
             self.procs[label] = proc
-            reader = threading.Thread(target=self._forward, args=(label, proc.stdout),
-                                      daemon=True)
-            reader.start()
-            self._readers.append(reader)
+            self._tell_guard('%d\n' % proc.pid)
+            for target, args in ((self._forward, (label, proc.stdout)),
+                                 (self._wait, (label, proc))):
+                thread = threading.Thread(target=target, args=args, daemon=True)
+                thread.start()
+                self._threads.append(thread)
+
+    def _tell_guard(self, line):
+        try:
+            self._guard.stdin.write(line.encode())
+            self._guard.stdin.flush()
+        except (BrokenPipeError, ValueError):
+            pass  # the guard is gone: stop() still ends everything
+
+    def _release_guard(self):
+        """Every group is ended: the guard exits without touching them
+        (their ids may be reused from now on)."""
+        if self._guard is not None:
+            self._tell_guard(GUARD_DONE + '\n')
+            try:
+                self._guard.stdin.close()
+            except BrokenPipeError:
+                pass  # the guard is gone already
+            self._guard.wait()
+            self._guard = None
 
     def watch(self, helper_grace=10.0):
         """Wait for the job; return ``(exit code, reason)``.
@@ -102,11 +150,17 @@ class Job(object):
         helper_done = {}
         while True:
             codes = {label: proc.poll() for label, proc in self.procs.items()}
+            failed = [label for label in list(self.ended) if codes[label] not in (None, 0)]
+            if failed:
+                # The first to exit: the others may have died of its absence.
+                label = min(failed, key=self.ended.get)
+                code = codes[label]
+                error = self.errors.get(label)
+                return (code if code > 0 else 1,
+                        '%s (pid %d) failed with %s%s' % (
+                            label, self.procs[label].pid, describe_exit(code),
+                            ': ' + error if error else ''))
             for label, code in sorted(codes.items()):
-                if code is not None and code != 0:
-                    return (code if code > 0 else 1,
-                            '%s (pid %d) failed with %s' % (
-                                label, self.procs[label].pid, describe_exit(code)))
                 if code == 0 and label not in self.workers:
                     since = helper_done.setdefault(label, time.monotonic())
                     if time.monotonic() - since > helper_grace:
@@ -133,15 +187,13 @@ class Job(object):
         for sig, wait in ((signal.SIGTERM, 3.0), (signal.SIGKILL, 5.0)):
             running = [p for p in self.procs.values() if p.poll() is None]
             for proc in self.procs.values():
-                try:
-                    os.killpg(proc.pid, sig)
-                except (ProcessLookupError, PermissionError):
-                    pass  # the group is gone
+                _signal_group(proc.pid, sig)
             end = time.monotonic() + wait
             while time.monotonic() < end and any(p.poll() is None for p in running):
                 time.sleep(0.05)
-        for reader in self._readers:
-            reader.join(1.0)
+        self._release_guard()
+        for thread in self._threads:
+            thread.join(1.0)
 
     def run(self):
         """Start, watch and end the job; return its exit code."""
@@ -156,6 +208,41 @@ class Job(object):
             self.stop()
         self.say('launch', 'job %s: %s' % ('succeeded' if code == 0 else 'stopped', reason))
         return code
+
+
+GUARD_FLAG = '--guard-job'
+GUARD_DONE = 'done'
+
+
+def guard(lines, grace=3.0):
+    """The guard's work: read the job's process group ids from ``lines``
+    (the launcher's pipe) until it ends; unless the launcher said
+    ``GUARD_DONE`` first (it ended every group itself), end every group
+    (SIGTERM, then SIGKILL after ``grace`` seconds). The pipe ends when the
+    launcher exits, however it does: a SIGKILL leaves it no other say."""
+    groups = []
+    for line in lines:
+        line = line.strip()
+        if line == GUARD_DONE:
+            return
+        groups.append(int(line))
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        alive = [g for g in groups if _signal_group(g, sig)]
+        end = time.monotonic() + grace
+        while alive and time.monotonic() < end:
+            time.sleep(0.05)
+            alive = [g for g in alive if _signal_group(g, 0)]
+        if not alive:
+            return
+
+
+def _signal_group(group, sig):
+    """Send ``sig`` to process group ``group``; False if the group is gone."""
+    try:
+        os.killpg(group, sig)
+    except (ProcessLookupError, PermissionError):
+        return False
+    return True
 
 
 def describe_exit(code):
@@ -239,7 +326,12 @@ def _interrupt(signum, frame):
 
 
 def main(argv=None):
-    args = parse_args(sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else argv
+    if argv == [GUARD_FLAG]:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher's Ctrl-C is not ours
+        guard(sys.stdin)
+        return 0
+    args = parse_args(argv)
     worker_argv = [sys.executable, args.script] + args.args
     rendezvous = None
     if args.backend == 'horovod':

@@ -57,16 +57,24 @@ TEMPLATES = {
     'reduction_failed':
         "SyncBatchNorm: the {direction} reduction of layer '{layer}' (slot {slot}) failed in "
         "{transport}: {why}. Another worker probably died; see its log.",
-    'checks_mismatch':
-        "SyncBatchNorm: at the {direction} reduction of layer '{layer}' (slot {slot}), the "
-        "{workers} workers' check numbers add up to {got} instead of {expected} (channels, "
-        "call number). {advice}",
-    'kvstore_optimizer':
-        "The kvstore changed our sums: it applies an optimizer to every key. Create the "
-        "Trainer with update_on_kvstore=False.",
+    'sums_changed':
+        "SyncBatchNorm: {transport} changed the sums of the {direction} reduction of layer "
+        "'{layer}' (slot {slot}): it applies an optimizer to every key. Create the Trainer "
+        "with update_on_kvstore=False.",
     'out_of_step':
-        "The workers are out of step (this worker: {channels} channels, call #{call}): every "
-        "worker must run the same network and call it the same number of times.",
+        "SyncBatchNorm '{layer}': the workers are out of step at its {direction} reduction "
+        "#{call} (slot {slot}): {workers}. Every worker must run the same network and call it "
+        "the same number of times per step.",
+    'layers_differ':
+        "SyncBatchNorm '{layer}': the workers' networks differ at their layer #{number} to "
+        "synchronize across workers: {workers}. Layers are matched across workers by the "
+        "order of their first training calls: every worker must run the same network, built "
+        "the same way (with the same names: give it the same prefix=).",
+    'setup_timeout':
+        "SyncBatchNorm: worker {rank} of {workers} waited {timeout}s for the other workers to "
+        "set up layer '{layer}', its layer #{number} to synchronize across workers "
+        "({transport}). A worker died, hangs, or runs a network with fewer SyncBatchNorm "
+        "layers; see the other workers' logs.",
     'numbering_disagrees':
         "SyncBatchNorm '{layer}': the workers disagree on the global device numbering of "
         "sync_groups (devices owned by no worker or by several: [{devices}]). Every worker "
@@ -83,6 +91,9 @@ TEMPLATES = {
     # How a worker says it ends after a fatal failure (printed, not raised).
     'exit_after':
         "gluon_syncbn: worker {rank} exits after a failed cross-process reduction: {cause}",
+    'exit_failed':
+        "gluon_syncbn: worker {rank} ends now with exit code {code} ({cause}): the other "
+        "workers cannot go on without it.",
     'exit_late':
         "gluon_syncbn: worker {rank} did not exit within {grace}s of a failed cross-process "
         "reduction: {cause}",

@@ -107,6 +107,19 @@ The user's kvstore (``transport._serialize_calls``)
     Its methods are wrapped to take one lock, and ``init``/``broadcast`` drain
     the engine: 1.9.1's dist kvstore keeps per-key buffers in unguarded maps.
 
+The kvstore server and ps-lite (``native/session.h``, ``transport.py``)
+    1.9.1's server never initializes its ``multi_precision_`` flag
+    (``kvstore_dist_server.h``): where the heap leaves it set (the GPU
+    wheel's server, in most runs) it stores and sums every float64 key in
+    float32. Forward sums therefore cross processes about a shift close to
+    their mean (``native/wire.h`` ``shift_forward``), and the check rows
+    hold whole numbers below 2^24. The server aborts on a push whose size
+    is not its key's, so the workers compare each layer before its keys
+    exist (``attach_remote``). The store's destructor waits in ps-lite's
+    final barrier for every worker, so a worker whose script failed, or
+    whose synchronization broke, ends with ``os._exit`` at interpreter exit
+    (``transport._at_exit``).
+
 Block trees (``hooks.blocks_of``, ``convert.py``)
     ``Block._children``, the ordered children of a block, walked to find and
     replace layers.

@@ -19,6 +19,10 @@ layer's timeout; and a failed cross-process reduction is fatal, since
 MXNet cannot cancel a pending operation: the call raises, and a process that
 has not ended ``exit_grace`` seconds later (or reaches interpreter exit) is
 ended with ``os._exit(1)`` after printing the cause.
+
+A worker whose script fails ends at once too (:func:`_guard_exit`): left
+to itself, its interpreter's exit would wait in ps-lite's final barrier for
+the other workers, which wait for its sums until their timeout.
 """
 import atexit
 import ctypes
@@ -49,9 +53,9 @@ class LocalTransport(object):
 
 
 class _CrossProcessTransport(object):
-    """What the engines share: the native twin and the process's end after
-    a fatal failure. Subclasses set ``name``, ``rank`` and ``num_workers``,
-    and implement ``_make_native(lib)``."""
+    """What the engines share: the native twin and the process's end (see
+    :func:`_guard_exit`). Subclasses set ``name``, ``rank`` and
+    ``num_workers``, and implement ``_make_native(lib)``."""
 
     cross_process = True
 
@@ -59,6 +63,7 @@ class _CrossProcessTransport(object):
         self._lock = threading.RLock()
         self.exit_grace = float(os.environ.get('GLUON_SYNCBN_EXIT_GRACE', DEFAULT_EXIT_GRACE))
         self.twin = None  # the native twin's id, once made
+        _guard_exit(self.rank)
 
     def why_not_native(self):
         """Why this transport can have no native twin here, or ''."""
@@ -71,17 +76,105 @@ class _CrossProcessTransport(object):
         with self._lock:
             if self.twin is None:
                 self.twin = self._make_native(lib)
-                atexit.register(_exit_if_broken, lib, self.rank)
+                _exit_state['library'] = lib
         return self.twin
 
 
+# ------------------------------------------------------- the process's end --
+# A worker's exit must not wait for the other workers when they cannot come:
+# ps-lite's final barrier (and MXNet's wait for pending operations) would
+# hold a failed worker until the others' timeouts, and a healthy one whose
+# synchronization broke for ever. What _at_exit needs: how the script ended
+# where that was a failure ((exit code, what ended it), noted by the hooks
+# _guard_exit installs), and the native library once a twin exists.
+_exit_state = {'failure': None, 'library': None}
+
+
+def _guard_exit(rank):
+    """Once per process, at the first cross-process layer's construction:
+    :func:`_at_exit` runs at interpreter exit, and the script's end is noted
+    where it is a failure.
+
+    Python tells nobody at exit how the script ended, so two hooks note it as
+    it happens: ``sys.excepthook`` (an uncaught exception) and ``sys.exit``,
+    whose exception notes a non-zero code when it is deleted with no Python
+    code left on the stack, which happens only once it has ended the script
+    (one the script catches dies inside its frames). ``raise SystemExit(n)``
+    written out is not seen: the worker then ends as Python would.
+    """
+    if sys.exit is _script_exit:
+        return
+    previous_hook = sys.excepthook
+
+    def excepthook(kind, value, trace):
+        if not _in_python_code():  # the uncaught exception that ends the script
+            code = 130 if issubclass(kind, KeyboardInterrupt) else 1
+            _exit_state['failure'] = (code, ('%s: %s' % (kind.__name__, value)) if str(value)
+                                      else kind.__name__)
+        previous_hook(kind, value, trace)
+    sys.excepthook = excepthook
+    sys.exit = _script_exit
+    atexit.register(_at_exit, rank)
+
+
+def _in_python_code():
+    """Whether a Python frame is on the stack beyond the caller's own."""
+    try:
+        sys._getframe(2)
+    except ValueError:
+        return False
+    return True
+
+
+class _ScriptExit(SystemExit):
+    """What ``sys.exit`` raises in a worker (see :func:`_guard_exit`)."""
+
+    def __del__(self):
+        code = 0 if self.code is None else self.code if isinstance(self.code, int) else 1
+        if code != 0 and not _in_python_code():
+            _exit_state['failure'] = (code, 'sys.exit(%r)' % (self.code,))
+
+
+def _script_exit(status=None):
+    """``sys.exit`` in a worker (see :func:`_guard_exit`)."""
+    raise _ScriptExit(status)
+
+
+def _at_exit(rank):
+    """At interpreter exit of a worker: end it at once if its
+    synchronization broke (the native session's fatal failures), or, with
+    its script's exit code, if the script failed (the other workers cannot
+    go on without it; the job's launcher then ends them, naming this
+    worker). Else let its last step finish, however long the other workers
+    take (the layers' timeouts bound it), and check again."""
+    lib = _exit_state['library']
+    _exit_if_broken(lib, rank)
+    failure = _exit_state['failure']
+    if failure is not None:
+        code, cause = failure
+        _exit_now(code, messages.text('exit_failed', rank=rank, code=code, cause=cause))
+    if lib is not None:
+        import mxnet as mx  # pylint: disable=import-outside-toplevel
+        try:
+            mx.nd.waitall()
+        except Exception:  # pylint: disable=broad-except
+            pass  # a failed step's error: its cause is the library's
+        _exit_if_broken(lib, rank)
+
+
 def _exit_if_broken(lib, rank):
-    broken = lib.broken()
+    broken = lib.broken() if lib is not None else ''
     if broken:
-        sys.stdout.flush()
-        sys.stderr.write(messages.text('exit_after', rank=rank, cause=broken) + '\n')
-        sys.stderr.flush()
-        os._exit(1)
+        _exit_now(1, messages.text('exit_after', rank=rank, cause=broken))
+
+
+def _exit_now(code, why):
+    """End the process with ``code`` after printing ``why``, skipping the
+    rest of the interpreter's exit."""
+    sys.stdout.flush()
+    sys.stderr.write(why + '\n')
+    sys.stderr.flush()
+    os._exit(code)
 
 
 class KVStoreTransport(_CrossProcessTransport):
@@ -114,10 +207,12 @@ class KVStoreTransport(_CrossProcessTransport):
                                         exit_grace=self.exit_grace)
             self._native_lib = lib
         # A store the user drops while layers still use it: their reductions
-        # fail with this instead of touching freed memory.
-        weakref.finalize(kvstore, lib.close_transport, twin,
-                         'the kvstore given as kvstore= was deleted; keep it alive while the '
-                         'network trains (the Trainer normally holds it)')
+        # fail with this instead of touching freed memory. Not at interpreter
+        # exit, where the last step may still be reducing (_at_exit lets it).
+        closer = weakref.finalize(kvstore, lib.close_transport, twin,
+                                  'the kvstore given as kvstore= was deleted; keep it alive '
+                                  'while the network trains (the Trainer normally holds it)')
+        closer.atexit = False
         return twin
 
     @property

@@ -12,10 +12,26 @@ Every vector is float64 and ``C`` is the channel count.
     the operators' ``info`` output: the step and call number the forward call
     had (its backward pairs by them) and the global statistics. ``call < 0``
     marks a call made in inference mode.
-``CHECKED``  ``[channels, call, vector...]``
-    a vector sent to other workers (by the native session only); the two
-    check numbers are summed with it, and must come back as
-    ``workers * (channels, call)``.
+``CHECKED``  ``[one row per worker: channels, call, dtype][vector...][ownership]``
+    a vector sent to other workers (by the native session only). Each worker
+    fills its own row (the others are 0), so the sum brings every worker's,
+    which must all be this worker's; a ``FORWARD`` vector travels about the
+    layer's *shift* (``[n, sum (x - s), sum (x - s)**2]``, ``s`` the global
+    means of the layer's previous call, the same on every worker; before its
+    first call, a first round sends the sums as they are, only for their
+    means), so that its sums survive an engine that adds them in float32.
+``LAYER``    ``[one row per worker: channels, dtype, sync groups, ownership
+    entries, name length, name bytes (48)]``: a layer's description at its
+    first call, before its keys are made; every worker's must be this one's.
+
+Every number crossing processes is float64, summed by the engine in float64
+(Horovod; MXNet's kvstore server unless it takes float64 keys for float32,
+which MXNet 1.9.1 does where a flag of its server is left uninitialized: the
+rows and the shift keep the sums exact there too). What bounds the precision
+is the float64 merge of raw moments, in one process as across processes:
+``var = E[x**2] - mean**2`` loses about ``1e-16 * (mean / std)**2`` relative.
+The rows hold small whole numbers (the call number modulo ``2**20``), exact
+in float32.
 
 ``native/wire.h`` packs and unpacks the same layouts for the native operators.
 """
@@ -25,6 +41,7 @@ __all__ = ['pack_forward', 'unpack_forward', 'pack_backward', 'unpack_backward',
            'unpack_info', 'info_size', 'channels_of']
 
 INFO_HEAD = 3  # token, call, n
+DTYPES = ('', 'float32', 'float64', 'float16', 'bfloat16')  # CHECKED and LAYER dtype codes
 
 
 def pack_forward(count, mean, var):

@@ -68,9 +68,10 @@ class Worker(object):
 
 
 def layer(backend, devices, sizes, shape=(3, 4, 5), axis=1, steps=2, hybridize=False, seed=0,
-          sync_groups=None, run_ahead=False):
+          sync_groups=None, run_ahead=False, offset=1e3):
     """SyncBatchNorm across workers vs float64 maths on the global batch (or,
-    with ``sync_groups``, within each group of global devices).
+    with ``sync_groups``, within each group of global devices), on data
+    ``offset`` away from zero (2 x randn around it).
     A size of 0 is an empty slice (run under NumPy shape mode).
     ``hybridize='static'``: static_alloc and static_shape. ``run_ahead``:
     nothing is read until every step is issued (then the gradients of gamma
@@ -96,7 +97,7 @@ def layer(backend, devices, sizes, shape=(3, 4, 5), axis=1, steps=2, hybridize=F
     run = {i: (np.zeros(channels), np.ones(channels)) for i in worker.mine}
     issued = []
     for step in range(steps):
-        x = (rng.randn(*full) * 2 + 1).astype(np.float32)
+        x = (rng.randn(*full) * 2 + offset).astype(np.float32)
         dy = rng.randn(*full).astype(np.float32)
         xs, dys = worker.slices(x), worker.slices(dy)
         for a in xs:
@@ -136,10 +137,11 @@ def _trainer(worker, net, update_on_kvstore):
 
 
 def train(backend, devices, sizes, steps=3, hybridize=False, image=8, seed=0, fault=None,
-          timeout=60.0, update_on_kvstore=False, layers=3, dtype='float32'):
+          timeout=60.0, update_on_kvstore=False, layers=3, dtype='float32', offset=1e3):
     """A Trainer loop across workers vs float64 full-batch training in one process.
 
-    ``dtype``: the network's (float64 keeps deep nets' rounding far below
+    The images are ``offset`` away from zero, and a BN layer normalizes them
+    first. ``dtype``: the network's (float64 keeps deep nets' rounding far below
     the tolerance). ``fault``: ``'kill'`` (rank 1 kills itself before step 2), ``'stall'``
     (rank 1 stops calling the network before step 2) or ``'bad_input'``
     (rank 1 feeds the wrong channel count at step 2).
@@ -148,10 +150,10 @@ def train(backend, devices, sizes, steps=3, hybridize=False, image=8, seed=0, fa
     rng = np.random.RandomState(seed)
     mx.random.seed(seed)
     batch = int(sum(sizes))
-    ref = build('conv', 'plain', layers=layers)
+    ref = build('conv', 'plain', layers=layers, input_norm=True)
     ref.initialize(mx.init.Xavier(), ctx=mx.cpu(0))
-    net = convert_model(build('conv', 'plain', layers=layers), kvstore=worker.kvstore,
-                        timeout=timeout)
+    net = convert_model(build('conv', 'plain', layers=layers, input_norm=True),
+                        kvstore=worker.kvstore, timeout=timeout)
     net.initialize(ctx=worker.ctxs)
     x0 = mx.nd.array(rng.randn(batch, 3, image, image), dtype='float32')
     ref(x0)
@@ -174,19 +176,16 @@ def train(backend, devices, sizes, steps=3, hybridize=False, image=8, seed=0, fa
     errs = WorstErrors()
 
     for step in range(steps):
-        x = rng.randn(batch, 3, image, image).astype(np.float32)
+        x = (rng.randn(batch, 3, image, image) + offset).astype(np.float32)
         label = rng.randint(0, 5, batch).astype(np.float32)
-        if step == 1 and worker.rank == 1 and fault == 'kill':
-            print('killing myself', flush=True)
-            os.kill(os.getpid(), signal.SIGKILL)
-        if step == 1 and worker.rank == 1 and fault == 'stall':
-            print('stalling', flush=True)
-            time.sleep(600)
-        if step == 1 and worker.rank == 1 and fault == 'bad_input':
-            x = x[:, :2]
+        faulty = worker.rank == 1 and fault is not None
+        if faulty and step == (0 if fault == 'raise_first' else 1):
+            x = _fault(fault, x)
         xs, labels = worker.slices(x.astype(dtype)), worker.slices(label.astype(dtype))
         with autograd.record():
             losses = [loss_fn(net(a), b) for a, b in zip(xs, labels)]
+            if faulty and step == 1 and fault == 'raise_in_record':
+                raise RuntimeError('worker 1 fails inside record()')
         autograd.backward(losses)
         trainer.step(step_batch)
         mx.nd.waitall()
@@ -207,6 +206,32 @@ def train(backend, devices, sizes, steps=3, hybridize=False, image=8, seed=0, fa
     return dict(errs, rank=worker.rank, operator=','.join(sorted(_operators(net))))
 
 
+def _fault(fault, x):
+    """What a failing worker does before a step's forward pass: ``'kill'``
+    (SIGKILL), ``'stall'`` (stops calling), ``'bad_input'`` (returns ``x``
+    with the wrong channel count), ``'raise'`` and ``'raise_first'`` (an
+    exception between steps: before the second step, before the first),
+    ``'exit'`` (``sys.exit(3)``), ``'term'`` (SIGTERM), ``'interrupt'``
+    (SIGINT: a KeyboardInterrupt); ``'raise_in_record'`` raises later, inside
+    ``record()`` (see :func:`train`)."""
+    print({'kill': 'killing myself', 'stall': 'stalling'}.get(fault, 'failing: ' + fault),
+          flush=True)
+    if fault == 'kill':
+        os.kill(os.getpid(), signal.SIGKILL)
+    if fault == 'stall':
+        time.sleep(600)
+    if fault in ('raise', 'raise_first'):
+        raise RuntimeError('worker 1 fails between steps')
+    if fault == 'exit':
+        sys.exit(3)
+    if fault == 'term':
+        os.kill(os.getpid(), signal.SIGTERM)
+    if fault == 'interrupt':
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(10)  # the KeyboardInterrupt comes at once
+    return x[:, :2] if fault == 'bad_input' else x
+
+
 def _operators(net):
     """The operators the SyncBatchNorm layers in ``net`` synchronize with."""
     found = set()
@@ -218,7 +243,7 @@ def _operators(net):
     return found
 
 
-def precise_bn(backend, devices, sizes, batches=3, hybridize=False, seed=0):
+def precise_bn(backend, devices, sizes, batches=3, hybridize=False, seed=0, offset=1e3):
     """gluon_syncbn.update_bn_stats on tests.scenarios._PreciseNet across the
     workers, each with its slices of the same global batches, against float64
     maths on the global batches; ``digest``: a checksum of the running
@@ -239,7 +264,7 @@ def precise_bn(backend, devices, sizes, batches=3, hybridize=False, seed=0):
     if hybridize:
         net.hybridize(static_alloc=hybridize == 'static', static_shape=hybridize == 'static')
     xs = [(rng.randn(int(sum(sizes)), channels, 4, 4) * rng.uniform(0.5, 3)
-           + rng.uniform(-2, 2)).astype(np.float32) for _ in range(batches)]
+           + rng.uniform(-2, 2) + offset).astype(np.float32) for _ in range(batches)]
     used = gluon_syncbn.update_bn_stats(net, [worker.slices(x) for x in xs], batches,
                                         progress=False)
     expected = _precise_float64(xs, sizes, gamma, beta)
@@ -251,7 +276,67 @@ def precise_bn(backend, devices, sizes, batches=3, hybridize=False, seed=0):
                 digest=zlib.crc32(b''.join(a.tobytes() for a in got[0])))
 
 
-SCENARIOS = {'layer': layer, 'train': train, 'precise_bn': precise_bn}
+def out_of_step(backend, what, timeout=60.0, steps=3):
+    """Worker 1 differs from worker 0 in ``what``: ``'channels'`` (its
+    second layer has 6 channels, worker 0's 4), ``'dtype'`` (its network is
+    float64), ``'layers'`` (it lacks worker 0's second layer: its second to
+    synchronize is worker 0's third, of the same width) or ``'calls'`` (it
+    calls the network twice per step). Nothing is read before the last step
+    is issued. Reports the error each worker raised."""
+    worker = Worker(backend, 1, [3, 2])
+    rng = np.random.RandomState(0)
+    odd = worker.rank == 1
+    widths = [4, 6 if odd and what == 'channels' else 4, 4]
+    kept = [0, 2] if odd and what == 'layers' else [0, 1, 2]
+    net = gluon.nn.HybridSequential(prefix='net_')
+    with net.name_scope():
+        for i in kept:
+            net.add(gluon.nn.Dense(widths[i], prefix='dense%d_' % i),
+                    SyncBatchNorm(kvstore=worker.kvstore, timeout=timeout, prefix='bn%d_' % i))
+    net.initialize(ctx=worker.ctxs)
+    if odd and what == 'dtype':
+        net.cast('float64')
+    dtype = 'float64' if odd and what == 'dtype' else 'float32'
+    calls = 2 if odd and what == 'calls' else 1
+    losses = []
+    try:
+        for _ in range(steps):
+            x = mx.nd.array(rng.randn(worker.sizes[worker.rank], 5) + 1e3, ctx=worker.ctxs[0],
+                            dtype=dtype)
+            with autograd.record():
+                loss = sum(net(x).sum() for _ in range(calls))
+            loss.backward()
+            losses.append(loss)
+        mx.nd.waitall()
+    except mx.base.MXNetError as exc:
+        print('RAISED', str(exc).splitlines()[-1], flush=True)
+        raise
+    return dict(rank=worker.rank, operator=net[1]._sync_backend.name)
+
+
+def healthy_end(backend, steps=6, lag=0.0):
+    """``steps`` training steps of a small network, the last one issued and
+    not waited for: the script ends with it in flight. Worker 1 starts its
+    last step ``lag`` seconds after the others."""
+    worker = Worker(backend, 2, [2, 1, 3, 2])
+    net = gluon.nn.HybridSequential()
+    for _ in range(3):
+        net.add(gluon.nn.Conv2D(8, 3, padding=1),
+                SyncBatchNorm(in_channels=8, kvstore=worker.kvstore, timeout=60))
+    net.initialize(ctx=worker.ctxs)
+    for step in range(steps):
+        if step == steps - 1 and worker.rank == 1:
+            time.sleep(lag)
+        xs = [mx.nd.random.normal(1e3, shape=(n, 8, 8, 8), ctx=c)
+              for n, c in zip(worker.sizes[2 * worker.rank:], worker.ctxs)]
+        with autograd.record():
+            losses = [net(x).sum() for x in xs]
+        autograd.backward(losses)
+    return dict(rank=worker.rank, operator=net[1]._sync_backend.name)
+
+
+SCENARIOS = {'layer': layer, 'train': train, 'precise_bn': precise_bn, 'out_of_step': out_of_step,
+             'healthy_end': healthy_end}
 
 if __name__ == '__main__':
     if os.environ.get('DIST_WORKER_TRACEBACK_AFTER'):  # where a hung worker waits

@@ -7,10 +7,13 @@ tests' build of the library):
 ``same``   the others send this worker's payload: the global batch is this
            process's batch ``workers`` times, whose statistics are the local
            ones, so every result equals one process's;
-``call``   their call numbers are one ahead (workers out of step);
-``scale``  the sum comes back scaled by 0.45 (an optimizer on the server);
-``never``  the reduction never completes;
-``fail``   the engine reports an error on the reduction (as Horovod does).
+``call``     their call numbers are one ahead (workers out of step);
+``channels`` their layers have 2 channels more (networks that differ);
+``float32``  as ``same``, every payload rounded to float32 (MXNet 1.9.1's kvstore
+             server, where its ``multi_precision_`` flag is left uninitialized);
+``scale``    the sum comes back scaled by 0.45 (an optimizer on the server);
+``never``    a layer's reduction never completes;
+``fail``     the engine reports an error on a layer's reduction (as Horovod does).
 
 :func:`install` makes ``SyncBatchNorm(kvstore=None)`` use one, or a 'local'
 kvstore through the real ``MXKVStorePushPull`` chain (``'kvstore'``), so the

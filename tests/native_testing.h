@@ -12,9 +12,12 @@ namespace {
 // an engine operation on the buffer like a real engine's:
 //   "same"     the others send this worker's payload (sum = workers x payload)
 //   "call"     ... with the call number one ahead (workers out of step)
+//   "channels" ... describing each layer with 2 channels more (its LAYER row)
+//   "float32"  ... each payload rounded to float32 (summed as MXNet 1.9.1's
+//              kvstore server does where it takes float64 keys for float32)
 //   "scale"    the sum comes back scaled by 0.45 (an optimizer on the server)
-//   "never"    the reduction never completes
-//   "fail"     the reduction fails on the buffer (as Horovod reports errors)
+//   "never"    a layer's reduction never completes
+//   "fail"     a layer's reduction fails on the buffer (as Horovod reports errors)
 class LoopbackTransport : public Transport {
  public:
   LoopbackTransport(int workers_, const std::string& mode) : mode_(mode) {
@@ -27,28 +30,38 @@ class LoopbackTransport : public Transport {
   struct Job {
     LoopbackTransport* self;
     Buffer buffer;
+    size_t row;  // the numbers each worker fills in its own row (wire.h)
   };
+  // The other workers' rows are copies of this one's (row 0); the rest of
+  // the sum is this worker's W times, as if every worker had sent its payload.
   static void run(void*, void* on_complete, void* param) {
     auto* job = static_cast<Job*>(param);
     double* v = job->buffer.data;
-    const size_t size = job->buffer.size;
+    const size_t size = job->buffer.size, row = job->row;
     const std::string& mode = job->self->mode_;
     const auto& complete = *static_cast<mxnet::engine::CallbackOnComplete*>(on_complete);
-    if (mode == "fail") return fail_operation(complete, "loopback: the reduction failed");
-    const double w = job->self->workers;
-    for (size_t i = 0; i < size; ++i) v[i] *= w;
-    if (mode == "call") v[1] += 1;
+    if (mode == "fail" && row == kCheckRow)
+      return fail_operation(complete, "loopback: the reduction failed");
+    const int w = job->self->workers;
+    for (int r = 1; r < w; ++r) std::copy(v, v + row, v + r * row);
+    for (size_t i = w * row; i < size; ++i)
+      v[i] = (mode == "float32" ? static_cast<float>(v[i]) : v[i]) * w;
+    if (mode == "call" && row == kCheckRow)
+      for (int r = 1; r < w; ++r) v[r * row + 1] += 1;
+    if (mode == "channels" && row == kLayerRow)
+      for (int r = 1; r < w; ++r) v[r * row] += 2;
     if (mode == "scale")
       for (size_t i = 0; i < size; ++i) v[i] *= 0.45;
     complete();
   }
   static void delete_job(void* param) { delete static_cast<Job*>(param); }
 
-  void reduce(int, int, const Buffer& buffer, std::function<void()> then,
+  void reduce(int slot, int, const Buffer& buffer, std::function<void()> then,
               std::function<void(const std::string&)> failed) override {
-    if (mode_ == "never") return;
+    if (mode_ == "never" && slot != kLayerSlot) return;
     NDArrayHandle array = buffer.array;
-    if (MXEnginePushAsyncND(run, new Job{this, buffer}, delete_job, kCPU0, nullptr, 0, &array,
+    const size_t row = slot == kLayerSlot ? kLayerRow : kCheckRow;
+    if (MXEnginePushAsyncND(run, new Job{this, buffer, row}, delete_job, kCPU0, nullptr, 0, &array,
                             1, nullptr, 0, "gluon_syncbn_loopback", false) != 0)
       return failed(last_mxnet_error());
     then();

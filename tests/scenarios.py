@@ -279,13 +279,18 @@ class ConvStack(gluon.HybridBlock):
     ``pool=True``: MXNet's Pooling operators (max pooling after the first
     block, global average pooling at the end) instead of ``mean``: in MKL-DNN
     they read the layout of the BN layer's output, as in ResNets.
+    ``input_norm=True``: a BN layer on the input first, so that data far from
+    zero reaches a BN layer exactly as given.
     """
 
-    def __init__(self, norm, layers, width=8, dropout=0.0, classes=5, pool=False, **kwargs):
+    def __init__(self, norm, layers, width=8, dropout=0.0, classes=5, pool=False,
+                 input_norm=False, **kwargs):
         super(ConvStack, self).__init__(**kwargs)
         self._pool = pool
         with self.name_scope():
             self.body = gluon.nn.HybridSequential()
+            if input_norm:
+                self.body.add(make_norm(norm))
             for i in range(layers):
                 self.body.add(gluon.nn.Conv2D(width * (1 + i % 2), 3, padding=1, use_bias=False))
                 if dropout:

@@ -1,9 +1,12 @@
 """The launcher's process handling, with plain Python processes (no MXNet)."""
 import io
 import os
+import signal
+import subprocess
 import sys
 import time
 
+import psutil
 import pytest
 
 from gluon_syncbn.launch import EXIT_DEADLINE, Job, kvstore_commands, parse_args
@@ -88,3 +91,40 @@ def test_arguments_after_the_script_belong_to_the_script():
     assert args.args == ['--epochs', '3', '-n', '5']
     with pytest.raises(SystemExit):
         parse_args(['-n', '0', 'train.py'])
+
+
+WAITING_WORKER = """
+import subprocess, sys, time
+subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])
+print('ready', flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.parametrize('sig', [signal.SIGKILL, signal.SIGTERM, signal.SIGINT],
+                         ids=['SIGKILL', 'SIGTERM', 'SIGINT'])
+def test_the_launcher_leaves_nothing_running_however_it_ends(sig, tmp_path):
+    """A whole job (scheduler, server, workers and the workers' children)
+    ends once the launcher is gone: by SIGKILL (timeout -k, the OOM killer)
+    as by SIGTERM or SIGINT."""
+    script = tmp_path / 'worker.py'
+    script.write_text(WAITING_WORKER)
+    launcher = subprocess.Popen(
+        [sys.executable, '-m', 'gluon_syncbn.launch', '-n', '2', '-s', '1', '--deadline', '120',
+         str(script)], stdout=subprocess.PIPE, text=True,
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    try:
+        ready = 0
+        while ready < 2:
+            line = launcher.stdout.readline()
+            assert line, 'the launcher ended early'
+            ready += line.endswith('] ready\n')
+        job = psutil.Process(launcher.pid).children(recursive=True)
+        assert len(job) >= 7  # guard, scheduler, server, 2 workers, their 2 children
+        launcher.send_signal(sig)
+        launcher.wait(30)
+        _, alive = psutil.wait_procs(job, timeout=15)
+        assert not alive, alive
+    finally:
+        launcher.kill()
+        launcher.wait()

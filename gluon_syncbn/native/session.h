@@ -98,6 +98,10 @@ struct Meeting {
   std::vector<std::pair<int, Waiter>> waiters;  // the devices' continuations
   std::chrono::steady_clock::time_point deadline;
   bool remote = false;                      // in the remote phase (across processes)
+  // Across processes: this process's sums, and for a forward meeting the
+  // round (1: the means, 2: the sums about the shift; see start_remote_locked).
+  std::vector<double> local;
+  int round = 0;
   Meeting(uint64_t t, int n) : token(t), values(n), dtypes(n) {}
 };
 
@@ -116,6 +120,10 @@ struct Layer : std::enable_shared_from_this<Layer> {
   std::shared_ptr<Transport> transport;
   int slot = -1;
   std::vector<double> ownership;
+  // The shift forward sums travel about (wire.h, shift_forward): per sync
+  // group and channel, the global means of the layer's last forward call,
+  // the same on every worker; empty before its first.
+  std::vector<double> shift;
   // While a tally is on, each device's forward calls add their global
   // statistics to its tally (add_to_tally).
   std::atomic<bool> tallying{false};
@@ -332,20 +340,23 @@ std::string combine_locked(Layer& g, const Key& key, const std::shared_ptr<Meeti
 
 // ----------------------------------------------------------- remote phase --
 // Across processes the last device's sum goes to the other workers as
-// wire.py's CHECKED vector, [channels, call, one row per sync group,
-// ownership], and the meeting completes with the checked sum.
-
-const size_t kChecks = 2;  // channels, call: wire.py's CHECKED
+// wire.py's CHECKED vector, [one row per worker: channels, call, dtype;
+// one row per sync group; ownership], and the meeting completes with the
+// checked sum.
 
 const char* direction_name(const Key& key) { return std::get<0>(key) == 0 ? "fwd" : "bwd"; }
 
-// This worker's check numbers for a reduction of vectors of `size`:
-// (channels, call number).
-std::array<double, 2> own_checks(const Key& key, size_t size) {
+// This worker's CHECKED row for a reduction of vectors of `size`: whole
+// numbers below 2^24, exact in float32 (the call number modulo 2^20).
+std::array<double, kCheckRow> own_checks(const Key& key, size_t size, const std::string& dtype) {
   return {static_cast<double>(std::get<0>(key) == 0 ? forward_channels(size)
                                                     : backward_channels(size)),
-          static_cast<double>(std::get<2>(key))};
+          static_cast<double>(std::get<2>(key) % (1 << 20)), dtype_code(dtype)};
 }
+
+// The rows every worker fills, its own at its rank: the numbers before a
+// reduction's vector.
+size_t check_rows_size(const Transport& t) { return kCheckRow * t.workers; }
 
 std::string reduction_failed(const Layer& g, const Key& key, const std::string& why) {
   return message("reduction_failed", {{"direction", direction_name(key)}, {"layer", g.name},
@@ -357,10 +368,24 @@ std::string broken_message(const Layer& g) {
   return message("broken", {{"transport", g.transport->name}, {"cause", g_broken}});
 }
 
-std::string format_numbers(const double* v, size_t n) {
-  std::string out = "[";
-  for (size_t i = 0; i < n; ++i) out += (i ? ", " : "") + number(v[i]);
-  return out + "]";
+// Whether the rows every worker fills hold only what workers send: whole
+// numbers, none negative (a kvstore that applies an optimizer to its keys
+// changes them).
+bool whole_numbers(const double* rows, size_t size) {
+  for (size_t i = 0; i < size; ++i)
+    if (rows[i] < 0 || rows[i] != std::round(rows[i])) return false;
+  return true;
+}
+
+// "worker 0: 3 channels, call #2, float32; worker 1: ..." from CHECKED rows.
+std::string describe_checks(const double* rows, int workers) {
+  std::string out;
+  for (int r = 0; r < workers; ++r) {
+    const double* row = rows + r * kCheckRow;
+    out += (r ? "; worker " : "worker ") + std::to_string(r) + ": " + number(row[0]) +
+           " channels, call #" + number(row[1]) + ", " + dtype_of_code(row[2]);
+  }
+  return out;
 }
 
 void complete_remote(const std::shared_ptr<Layer>& g, const Key& key,
@@ -368,15 +393,25 @@ void complete_remote(const std::shared_ptr<Layer>& g, const Key& key,
                      const std::vector<double>& total);
 
 // Hands the meeting's sum to the transport once g_mutex is released, with a
-// fresh deadline for the other workers (lock held).
+// fresh deadline for the other workers (lock held). Forward sums travel
+// about the layer's shift; a layer's first forward call has none yet, so it
+// sends them as they are first (round 1), only to learn the means, then
+// about those (round 2, complete_remote).
 std::string start_remote_locked(Layer& g, const Key& key, const std::shared_ptr<Meeting>& ex) {
   if (!g_broken.empty()) return broken_message(g);
   if (g.slot < 0)
     return message("no_slot", {{"layer", g.name}, {"transport", g.transport->name}});
   const int dir = std::get<0>(key);
-  const std::array<double, 2> checks = own_checks(key, ex->values[0].size());
-  std::vector<double> payload(checks.begin(), checks.end());
-  payload.insert(payload.end(), ex->result.begin(), ex->result.end());
+  if (ex->local.empty()) ex->local = ex->result;
+  std::vector<double> sums = ex->local;
+  if (dir == 0) {
+    ex->round = g.shift.empty() ? 1 : 2;
+    if (ex->round == 2) shift_forward(&sums, 0, g.num_sync_groups, g.shift);
+  }
+  const auto checks = own_checks(key, ex->values[0].size(), ex->dtypes[0]);
+  std::vector<double> payload(check_rows_size(*g.transport), 0.0);
+  std::copy(checks.begin(), checks.end(), payload.begin() + g.transport->rank * kCheckRow);
+  payload.insert(payload.end(), sums.begin(), sums.end());
   payload.insert(payload.end(), g.ownership.begin(), g.ownership.end());
   ex->remote = true;
   ex->deadline = deadline_of(g);
@@ -400,38 +435,39 @@ std::string check_remote_locked(const Layer& g, const Key& key, Meeting& ex,
                                 const std::vector<double>& total) {
   const Transport& t = *g.transport;
   const size_t size = ex.values[0].size(), rows = g.num_sync_groups * size;
-  const std::array<double, 2> own = own_checks(key, size);
-  const double expected[2] = {own[0] * t.workers, own[1] * t.workers};
-  if (total.size() != kChecks + rows + g.ownership.size())
+  const size_t head = check_rows_size(t);
+  if (total.size() != head + rows + g.ownership.size())
     return "SyncBatchNorm: the " + std::string(direction_name(key)) + " reduction of layer '" +
            g.name + "' (slot " + std::to_string(g.slot) + ") came back from " + t.name +
            " with " + std::to_string(total.size()) + " numbers instead of " +
-           std::to_string(kChecks + rows + g.ownership.size()) + "; this is a bug in "
+           std::to_string(head + rows + g.ownership.size()) + "; this is a bug in "
            "gluon_syncbn, please report it.";
-  if (t.workers > 1 && total[0] == own[0] && total[1] == own[1])
-    return reduction_failed(g, key, "no sum came back (the engine reported an error on it)");
-  if (total[0] != expected[0] || total[1] != expected[1]) {
-    const bool changed = total[0] != std::round(total[0]) || total[1] != std::round(total[1]);
-    const std::string advice =
-        changed ? message("kvstore_optimizer", {})
-                : message("out_of_step",
-                          {{"channels", std::to_string(static_cast<int64_t>(own[0]))},
-                           {"call", std::to_string(static_cast<int64_t>(own[1]))}});
-    return message("checks_mismatch",
-                   {{"direction", direction_name(key)}, {"layer", g.name},
-                    {"slot", std::to_string(g.slot)}, {"workers", std::to_string(t.workers)},
-                    {"got", format_numbers(total.data(), 2)},
-                    {"expected", format_numbers(expected, 2)}, {"advice", advice}});
+  const auto own = own_checks(key, size, ex.dtypes[0]);
+  bool missing = false, differ = false;
+  for (int r = 0; r < t.workers; ++r) {
+    const double* row = &total[r * kCheckRow];
+    missing = missing || row[0] == 0;  // every worker's call has channels
+    differ = differ || !std::equal(own.begin(), own.end(), row);
   }
+  if (!whole_numbers(total.data(), head))
+    return message("sums_changed", {{"transport", t.name}, {"direction", direction_name(key)},
+                                    {"layer", g.name}, {"slot", std::to_string(g.slot)}});
+  if (missing)
+    return reduction_failed(g, key, "no sum came back (the engine reported an error on it)");
+  if (differ)
+    return message("out_of_step", {{"layer", g.name}, {"direction", direction_name(key)},
+                                   {"call", std::to_string(std::get<2>(key))},
+                                   {"slot", std::to_string(g.slot)},
+                                   {"workers", describe_checks(total.data(), t.workers)}});
   std::vector<int> clashes;
   for (size_t i = 0; i < g.ownership.size(); ++i)
-    if (total[kChecks + rows + i] != 1) clashes.push_back(static_cast<int>(i));
+    if (total[head + rows + i] != 1) clashes.push_back(static_cast<int>(i));
   if (!clashes.empty()) {
     std::string which;
     for (int d : clashes) which += (which.empty() ? "" : ", ") + std::to_string(d);
     return message("numbering_disagrees", {{"layer", g.name}, {"devices", which}});
   }
-  ex.result.assign(total.begin() + kChecks, total.begin() + kChecks + rows);
+  ex.result.assign(total.begin() + head, total.begin() + head + rows);
   return empty_batch(g, key, ex.result);
 }
 
@@ -444,24 +480,86 @@ void complete_remote(const std::shared_ptr<Layer>& g, const Key& key,
   {
     std::lock_guard<std::mutex> lock(g_mutex);
     if (ex->done || !ex->error.empty()) return;
-    const std::string failure = !error.empty() ? reduction_failed(*g, key, error)
-                                               : check_remote_locked(*g, key, *ex, total);
-    if (failure.empty()) {
-      ex->done = true;
-      dispatch_locked(*g, key, ex);
-    } else {
+    std::string failure = !error.empty() ? reduction_failed(*g, key, error)
+                                         : check_remote_locked(*g, key, *ex, total);
+    bool again = false;  // round 1 of a forward meeting: round 2 follows
+    if (failure.empty() && std::get<0>(key) == 0) {
+      const size_t rows = g->num_sync_groups;
+      const size_t channels = forward_channels(ex->values[0].size());
+      if (ex->round == 1) {  // the means: now the sums about them
+        g->shift = forward_means(ex->result, 0, rows, channels);
+        failure = start_remote_locked(*g, key, ex);
+        again = failure.empty();
+      } else {
+        unshift_forward(&ex->result, 0, rows, g->shift);
+        g->shift = forward_means(ex->result, 0, rows, channels);
+      }
+    }
+    if (!failure.empty()) {
       fatal_locked(failure);
       abort_locked(failure);
+    } else if (!again) {
+      ex->done = true;
+      dispatch_locked(*g, key, ex);
     }
   }
   run_pending();
 }
 
+// "worker 0: 'bn2', 4 channels, float32; worker 1: ..." from LAYER rows
+// (sync groups too where they differ).
+std::string describe_layers(const std::vector<double>& rows, int workers) {
+  bool groups_differ = false;
+  for (int r = 1; r < workers; ++r)
+    groups_differ = groups_differ || rows[r * kLayerRow + 2] != rows[2] ||
+                    rows[r * kLayerRow + 3] != rows[3];
+  std::string out;
+  for (int r = 0; r < workers; ++r) {
+    const double* row = &rows[r * kLayerRow];
+    out += (r ? "; worker " : "worker ") + std::to_string(r) + ": '" + layer_name_of(row) +
+           "', " + number(row[0]) + " channels, " + dtype_of_code(row[1]);
+    if (groups_differ)
+      out += ", " + number(row[2]) + " sync groups over " + number(row[3]) + " devices";
+  }
+  return out;
+}
+
+// Why the workers' first calls of a layer do not belong together ("" if
+// they do): every worker's LAYER row must be this worker's.
+std::string layers_differ(const Layer& g, const std::vector<double>& own,
+                          const std::vector<double>& rows, int workers, int before,
+                          const Transport& t) {
+  if (!whole_numbers(rows.data(), rows.size()))
+    return message("sums_changed", {{"transport", t.name}, {"direction", "setup"},
+                                    {"layer", g.name}, {"slot", std::to_string(before)}});
+  for (int r = 0; r < workers; ++r)
+    if (rows[r * kLayerRow] == 0)  // every worker's layer has channels
+      return "SyncBatchNorm '" + g.name + "' could not compare its setup with the other "
+             "workers: worker " + std::to_string(r) + "'s description did not come back (the "
+             "engine reported an error on it). Another worker probably died; see its log.";
+  for (int r = 0; r < workers; ++r)
+    if (!std::equal(own.begin(), own.end(), rows.begin() + r * kLayerRow))
+      return message("layers_differ", {{"layer", g.name}, {"number", std::to_string(before + 1)},
+                                       {"workers", describe_layers(rows, workers)}});
+  return "";
+}
+
+// A layer whose sums leave the process could not be set up: fatal, since
+// the other workers may wait in a collective of the engine for ever.
+bool setup_failed(const std::shared_ptr<Transport>& t, const std::string& error) {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  g_remote_rank = t->rank;
+  record_locked("SyncBatchNormError", error);
+  fatal_locked(error);
+  return false;
+}
+
 // Gives a layer whose sums leave the process its slot in the transport, at
-// its first call with `channels` channels (in network order, from whichever
-// thread calls first: the operators' FCreateOpState). False with `error` set
-// if that failed.
-bool attach_remote(Layer& g, int64_t channels, std::string* error) {
+// its first call with `channels` channels of `dtype` (in network order, from
+// whichever thread calls first: the operators' FCreateOpState), after
+// checking with the other workers that their first calls of a layer in this
+// order are of the same layer. False with `error` set if that failed.
+bool attach_remote(Layer& g, int64_t channels, const std::string& dtype, std::string* error) {
   // Set before the layer's first call and never changed: every imperative
   // call's state creation passes here, so a layer of one process takes no lock.
   if (!g.transport) return true;
@@ -472,18 +570,41 @@ bool attach_remote(Layer& g, int64_t channels, std::string* error) {
   std::lock_guard<std::mutex> one_at_a_time(attaching);
   std::shared_ptr<Transport> t;
   size_t sizes[2];
+  std::vector<double> row;
   {
     std::lock_guard<std::mutex> lock(g_mutex);
     if (!g.transport || g.slot >= 0 || channels <= 0) return true;
+    if (!g_broken.empty()) {
+      *error = broken_message(g);
+      return false;
+    }
     t = g.transport;
-    sizes[0] = kChecks + g.num_sync_groups * (1 + 2 * channels) + g.ownership.size();
-    sizes[1] = kChecks + g.num_sync_groups * 2 * channels + g.ownership.size();
+    const size_t head = check_rows_size(*t), owners = g.ownership.size();
+    sizes[0] = head + g.num_sync_groups * (1 + 2 * channels) + owners;
+    sizes[1] = head + g.num_sync_groups * 2 * channels + owners;
+    row = pack_layer(static_cast<double>(channels), dtype, g.num_sync_groups, owners, g.name);
   }
+  const int before = t->num_slots();
+  std::vector<double> rows;
+  if (!t->gather_layer_rows(row, g.timeout, &rows, error)) {
+    *error = error->empty()
+                 ? message("setup_timeout", {{"rank", std::to_string(t->rank)},
+                                             {"workers", std::to_string(t->workers)},
+                                             {"timeout", number(g.timeout)},
+                                             {"layer", g.name},
+                                             {"number", std::to_string(before + 1)},
+                                             {"transport", t->name}})
+                 : "SyncBatchNorm '" + g.name + "' could not compare its setup with the other "
+                   "workers through " + t->name + ": " + *error;
+    return setup_failed(t, *error);
+  }
+  *error = layers_differ(g, row, rows, t->workers, before, *t);
+  if (!error->empty()) return setup_failed(t, *error);
   int slot = -1;
-  if (!t->add_slot(sizes, &slot, error)) {
+  if (!t->add_slot(sizes, g.timeout, &slot, error)) {
     *error = "SyncBatchNorm '" + g.name + "' could not set up its " + t->name + " keys: " +
              *error;
-    return false;
+    return setup_failed(t, *error);
   }
   std::lock_guard<std::mutex> lock(g_mutex);
   g.slot = slot;

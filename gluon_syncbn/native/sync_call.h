@@ -108,7 +108,7 @@ mxnet::OpStatePtr create_state(State* state, const nnvm::NodeAttrs& attrs,
   CHECK_GE(node.device, 0) << error;
   node.dev_id = ctx.dev_id;
   node.token = issue_token();
-  CHECK(attach_remote(*node.layer, channels, &error)) << error;
+  if (!attach_remote(*node.layer, channels, node.params.dtype_name, &error)) LOG(FATAL) << error;
   return make_state(state, layer_variable(layer_key(node.params.layer_id, node.device)));
 }
 

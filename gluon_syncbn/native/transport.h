@@ -14,7 +14,9 @@
 #pragma once
 #include <mxnet/c_api.h>
 
+#include <algorithm>
 #include <array>
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <cstring>
@@ -24,10 +26,13 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "arrays.h"
 #include "failures.h"
+#include "messages.h"
+#include "wire.h"
 
 namespace {
 
@@ -61,6 +66,42 @@ void read_buffer(void*, void* param) {
 }
 void delete_reduction(void* param) { delete static_cast<Reduction*>(param); }
 
+// The slot of the layers' descriptions (wire.h, LAYER): one key for every
+// layer, reduced once per layer, at its first call.
+const int kLayerSlot = -1;
+
+// Runs `work`, which may block in a collective of the engine, on a thread of
+// its own and waits at most `timeout` seconds for it; false with `error` set
+// if it failed or still runs then (nothing can cancel it: it is left to end
+// by itself, or with the process).
+bool bounded(std::function<bool(std::string*)> work, double timeout, const std::string& what,
+             std::string* error) {
+  struct Outcome {
+    std::mutex mutex;
+    std::condition_variable cv;
+    bool done = false, ok = false;
+    std::string error;
+  };
+  auto outcome = std::make_shared<Outcome>();
+  std::thread([outcome, work]() {
+    std::string e;
+    const bool ok = work(&e);
+    std::lock_guard<std::mutex> lock(outcome->mutex);
+    outcome->done = true;
+    outcome->ok = ok;
+    outcome->error = e;
+    outcome->cv.notify_all();
+  }).detach();
+  std::unique_lock<std::mutex> lock(outcome->mutex);
+  if (!outcome->cv.wait_for(lock, std::chrono::duration<double>(timeout),
+                            [&outcome]() { return outcome->done; })) {
+    *error = what + " did not end within " + number(timeout) + "s";
+    return false;
+  }
+  if (!outcome->ok) *error = outcome->error;
+  return outcome->ok;
+}
+
 // -------------------------------------------------------------- transport --
 class Transport {
  public:
@@ -70,33 +111,64 @@ class Transport {
   virtual ~Transport() {}
 
   // Creates the buffers of a new slot (one per direction, of these sizes)
-  // and what the engine needs of them. Main thread, in network order, the
-  // same on every worker: initializing a kvstore key is collective.
-  bool add_slot(const size_t sizes[2], int* slot, std::string* error) {
+  // and what the engine needs of them, within `timeout` seconds. Main
+  // thread, in network order, the same on every worker: initializing a
+  // kvstore key is collective.
+  bool add_slot(const size_t sizes[2], double timeout, int* slot, std::string* error) {
     std::array<Buffer, 2> buffers;
-    for (int dir = 0; dir < 2; ++dir) {
-      Buffer& b = buffers[dir];
-      b.size = sizes[dir];
-      const uint32_t shape[1] = {static_cast<uint32_t>(b.size)};
-      std::vector<double> zeros(b.size, 0.0);
-      void* data = nullptr;
-      if (MXNDArrayCreateEx(shape, 1, 1, 0, 0, kFloat64, &b.array) != 0 ||
-          MXNDArraySyncCopyFromCPU(b.array, zeros.data(), b.size) != 0 ||
-          MXNDArrayGetData(b.array, &data) != 0) {
-        *error = last_mxnet_error();
-        return false;
-      }
-      b.data = static_cast<double*>(data);
-    }
+    for (int dir = 0; dir < 2; ++dir)
+      if (!make_buffer(sizes[dir], &buffers[dir], error)) return false;
     {
       std::lock_guard<std::mutex> lock(slots_mutex_);
       *slot = static_cast<int>(slots_.size());
     }
     for (int dir = 0; dir < 2; ++dir)
-      if (!init_key(*slot, dir, buffers[dir].array, error)) return false;
+      if (!init_bounded(*slot, dir, buffers[dir], timeout, error)) return false;
     std::lock_guard<std::mutex> lock(slots_mutex_);
     slots_.push_back(buffers);  // never freed, like the session's state
     return true;
+  }
+
+  // Every worker's `row` (wire.h's kLayerRow numbers describing a layer at
+  // its first call) in rank order, through the layers' key, within
+  // `timeout` seconds; false with `error` set if that failed. Called where
+  // add_slot is, before it: the k-th calls of the workers belong together.
+  bool gather_layer_rows(const std::vector<double>& row, double timeout,
+                         std::vector<double>* rows, std::string* error) {
+    if (layers_.array == nullptr) {
+      Buffer b;
+      if (!make_buffer(kLayerRow * workers, &b, error) ||
+          !init_bounded(kLayerSlot, 0, b, timeout, error))
+        return false;
+      layers_ = b;
+    }
+    std::vector<double> payload(layers_.size, 0.0);
+    std::copy(row.begin(), row.end(), payload.begin() + rank * kLayerRow);
+    struct Gathered {
+      std::mutex mutex;
+      std::condition_variable cv;
+      bool done = false;
+      std::string error;
+      std::vector<double> total;
+    };
+    auto gathered = std::make_shared<Gathered>();
+    start_on(layers_, kLayerSlot, 0, payload,
+             [gathered](const std::string& e, const std::vector<double>& total) {
+      std::lock_guard<std::mutex> lock(gathered->mutex);
+      gathered->done = true;
+      gathered->error = e;
+      gathered->total = total;
+      gathered->cv.notify_all();
+    });
+    std::unique_lock<std::mutex> lock(gathered->mutex);
+    if (!gathered->cv.wait_for(lock, std::chrono::duration<double>(timeout),
+                               [&gathered]() { return gathered->done; })) {
+      *error = "";  // the caller names what did not come
+      return false;
+    }
+    *error = gathered->error;
+    *rows = gathered->total;
+    return error->empty();
   }
 
   // Sums `payload` over the workers into `done`, through slot `slot`'s buffer
@@ -109,22 +181,13 @@ class Transport {
       std::lock_guard<std::mutex> lock(slots_mutex_);
       b = slots_.at(slot)[dir];
     }
-    if (payload.size() != b.size)
-      return done(name + " got " + std::to_string(payload.size()) + " numbers for a key of " +
-                  std::to_string(b.size), {});
-    std::memcpy(b.data, payload.data(), b.size * sizeof(double));
-    auto* r = new Reduction{b, std::move(done)};
-    reduce(slot, dir, b, [r, this]() {
-      NDArrayHandle array = r->buffer.array;
-      if (MXEnginePushSyncND(read_buffer, r, delete_reduction, kCPU0, &array, 1, nullptr, 0,
-                             &read_property_, 0, "gluon_syncbn_remote_sum") != 0) {
-        r->done(last_mxnet_error(), {});
-        delete_reduction(r);
-      }
-    }, [r](const std::string& error) {
-      r->done(error, {});
-      delete_reduction(r);
-    });
+    start_on(b, slot, dir, payload, std::move(done));
+  }
+
+  // How many slots there are: the layers that synchronize across workers.
+  int num_slots() {
+    std::lock_guard<std::mutex> lock(slots_mutex_);
+    return static_cast<int>(slots_.size());
   }
 
   // The store was destroyed: every later reduction fails with `why`.
@@ -147,6 +210,50 @@ class Transport {
  private:
   std::mutex slots_mutex_;  // add_slot (main thread) against start (engine threads)
   std::vector<std::array<Buffer, 2>> slots_;
+  Buffer layers_;  // the layers' key (kLayerSlot): made at the first layer's first call
+
+  static bool make_buffer(size_t size, Buffer* b, std::string* error) {
+    b->size = size;
+    const uint32_t shape[1] = {static_cast<uint32_t>(size)};
+    std::vector<double> zeros(size, 0.0);
+    void* data = nullptr;
+    if (MXNDArrayCreateEx(shape, 1, 1, 0, 0, kFloat64, &b->array) != 0 ||
+        MXNDArraySyncCopyFromCPU(b->array, zeros.data(), size) != 0 ||
+        MXNDArrayGetData(b->array, &data) != 0) {
+      *error = last_mxnet_error();
+      return false;
+    }
+    b->data = static_cast<double*>(data);
+    return true;
+  }
+
+  // init_key, which waits for the other workers, within `timeout` seconds.
+  bool init_bounded(int slot, int dir, const Buffer& b, double timeout, std::string* error) {
+    NDArrayHandle array = b.array;
+    return bounded([this, slot, dir, array](std::string* e) {
+      return init_key(slot, dir, array, e);
+    }, timeout, "initializing the key (every worker takes part)", error);
+  }
+
+  void start_on(const Buffer& b, int slot, int dir, const std::vector<double>& payload,
+                RemoteDone done) {
+    if (payload.size() != b.size)
+      return done(name + " got " + std::to_string(payload.size()) + " numbers for a key of " +
+                  std::to_string(b.size), {});
+    std::memcpy(b.data, payload.data(), b.size * sizeof(double));
+    auto* r = new Reduction{b, std::move(done)};
+    reduce(slot, dir, b, [r, this]() {
+      NDArrayHandle array = r->buffer.array;
+      if (MXEnginePushSyncND(read_buffer, r, delete_reduction, kCPU0, &array, 1, nullptr, 0,
+                             &read_property_, 0, "gluon_syncbn_remote_sum") != 0) {
+        r->done(last_mxnet_error(), {});
+        delete_reduction(r);
+      }
+    }, [r](const std::string& error) {
+      r->done(error, {});
+      delete_reduction(r);
+    });
+  }
 };
 int Transport::kCPU0[2] = {1, 0};
 
@@ -291,7 +398,8 @@ class HorovodTransport : public Transport {
   void reduce(int slot, int dir, const Buffer& buffer, std::function<void()> then,
               std::function<void(const std::string&)> failed) override {
     // Names must match across workers and never be in flight twice: one per key.
-    const std::string key = "gluon_syncbn." + std::to_string(slot) + (dir ? ".bwd" : ".fwd");
+    const std::string key = slot == kLayerSlot ? std::string("gluon_syncbn.layers")
+                            : "gluon_syncbn." + std::to_string(slot) + (dir ? ".bwd" : ".fwd");
     NDArrayHandle array = buffer.array;
     if (allreduce_(&array, &array, key.c_str(), sum_op_, 0, 1.0, 1.0, 1, 0) != 0)
       return failed(last_mxnet_error());
