@@ -13,7 +13,7 @@ from .cpu_contexts import check_cpu_contexts, is_naive_engine
 from .errors import SyncBatchNormError
 from .gpus import check_gpus
 from .groups import check_sync_groups
-from .hooks import tracing_for_prediction
+from .hooks import traced_call, tracing_for_prediction
 from .mxnet_private import dtype_name
 from .session import SESSION, SETUP_LOCK
 from .transport import make_transport
@@ -288,6 +288,7 @@ class SyncBatchNorm(HybridBlock):
             SESSION.clear_failed_arrays()
         else:
             dtype = self._input_dtype
+            traced_call(backend)
         # An imperative call is static in no sense: its operator is made for
         # it and knows the step it was issued in, also in a static network
         # run imperatively (an empty slice's call, update_bn_stats).

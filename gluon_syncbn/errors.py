@@ -11,13 +11,16 @@ import sys
 import threading
 import warnings
 
+from mxnet.base import MXNetError
+
 __all__ = ['SyncBatchNormError', 'SyncBatchNormTimeout']
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 
-class SyncBatchNormError(RuntimeError):
-    """A SyncBatchNorm layer could not synchronize or got bad input."""
+class SyncBatchNormError(MXNetError):
+    """A SyncBatchNorm layer could not synchronize or got bad input (an
+    ``MXNetError``, as MXNet's own failures of a call are)."""
 
 
 class SyncBatchNormTimeout(SyncBatchNormError):
@@ -35,6 +38,19 @@ def in_layer(layer, exc):
     named = kind('%s: %s' % (head, exc))
     named.__cause__ = exc
     return named
+
+
+def from_mxnet(exc):
+    """The SyncBatchNorm failure that MXNet's error ``exc``, raised while a
+    call was issued (a graph's shape inference, an operator MXNet refused),
+    carries, as our own exception; None if it carries none."""
+    text = str(exc)
+    start = text.find("SyncBatchNorm '")
+    if isinstance(exc, SyncBatchNormError) or start < 0:
+        return None
+    ours = SyncBatchNormError(text[start:].split('\n', 1)[0])
+    ours.__cause__ = exc
+    return ours
 
 
 _recent = collections.deque(maxlen=8)

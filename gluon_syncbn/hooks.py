@@ -25,12 +25,13 @@
   and aborts the step if calls are still waiting after a bounded time.
 """
 import atexit
+import collections
 import contextlib
 import threading
 
 import mxnet as mx
 
-from .errors import SyncBatchNormError, last_failure, take_failures
+from .errors import SyncBatchNormError, from_mxnet, last_failure, take_failures
 from .mxnet_private import FAILED_CALL_TEXT, dtype_name
 from .session import SESSION
 
@@ -180,6 +181,14 @@ def tracing_for_prediction():
     return getattr(_tracing, 'prediction', False)
 
 
+def traced_call(backend):
+    """A training call of ``backend``'s layer is being traced into a graph
+    (:func:`_stamp_static` needs how many the graph makes)."""
+    calls = getattr(_tracing, 'calls', None)
+    if calls is not None:
+        calls[backend] += 1
+
+
 def _synchronizes(block):
     return any(getattr(b, '_synchronizes', False) for b in blocks_of(block))
 
@@ -192,10 +201,12 @@ def _build(block, args, prediction):
     names = ['data'] if len(arrays) == 1 else ['data%d' % i for i in range(len(arrays))]
     _tracing.input_shapes = {n: a.shape for n, a in zip(names, arrays) if hasattr(a, 'shape')}
     _tracing.prediction = prediction
+    _tracing.calls = collections.Counter()
     try:
         block._build_cache(*args)
+        return _tracing.calls
     finally:
-        _tracing.input_shapes, _tracing.prediction = None, False
+        _tracing.input_shapes, _tracing.prediction, _tracing.calls = None, False, None
 
 
 def _flatten(args):
@@ -222,18 +233,33 @@ def _use_graph_for_mode(block, args, training):
 
     In static_shape graphs MXNet holds a call's running statistics as
     read-only inputs (see ``mxnet_private``), so the engine does not order
-    a training call's update of them against a predict call's read: a change
-    of mode there first waits for the engine."""
+    a training call's update of them against a predict call's read: there
+    a predict call after training calls on its device is fenced
+    (:func:`_fence`)."""
     graphs = block.__dict__.get('_gluon_syncbn_graphs')
     if graphs is not None and block._cached_op is not graphs[graphs['mode']][_OP]:
         graphs = block._gluon_syncbn_graphs = None  # cleared or rebuilt by Gluon
+    if block._cached_op is not None and _moved(block):
+        block._clear_cached_op()  # traced for the devices its layers lived on before
+        graphs = block._gluon_syncbn_graphs = None
     if graphs is None:
         if block._cached_op is not None:
-            return  # built by Gluon with nothing synchronizing
-        _build(block, args, prediction=False)
+            return  # built with nothing synchronizing
+        calls = _build(block, args, prediction=False)
+        _note_placement(block)
         if not _synchronizes(block):
             return
-        graphs = {'mode': True, True: [getattr(block, a) for a in _GRAPH_ATTRIBUTES]}
+        static = bool(dict(block._flags).get('static_shape'))
+        if static and any(b.name == 'python' for b in calls):
+            with _without_static_shape(block):
+                block._clear_cached_op()
+                calls = _build(block, args, prediction=False)
+            static = False
+        # 'static': per device, the static training graph's native layers
+        # (None: its training graph is not static_shape); 'trained': the
+        # devices with training calls since their last predict call.
+        graphs = {'mode': True, True: [getattr(block, a) for a in _GRAPH_ATTRIBUTES],
+                  'calls': calls, 'static': {} if static else None, 'trained': set()}
         block._clear_cached_op()
         try:
             _build(block, args, prediction=True)
@@ -246,11 +272,124 @@ def _use_graph_for_mode(block, args, training):
     if graphs['mode'] != training:
         with _switch_lock:
             if graphs['mode'] != training:
-                if dict(block._flags).get('static_shape'):
-                    mx.nd.waitall()
                 for name, value in zip(_GRAPH_ATTRIBUTES, graphs[training]):
                     setattr(block, name, value)
                 graphs['mode'] = training
+
+
+# How many times a Parameter was placed on contexts (initialized, moved,
+# loaded onto others): a cached graph knows the layers' devices at its trace,
+# and checks them again only when this changed (:func:`_moved`).
+_placements = [0]
+
+
+def install_parameter_hook(parameter_class):
+    """Count placements of Parameters (``_init_impl``: ``initialize``,
+    ``reset_ctx``, ``load_parameters(ctx=...)``)."""
+    if getattr(parameter_class, '_gluon_syncbn_hooked', False):
+        return
+    original = parameter_class._init_impl
+
+    def _init_impl(self, *args, **kwargs):
+        _placements[0] += 1
+        return original(self, *args, **kwargs)
+
+    parameter_class._init_impl = _init_impl
+    parameter_class._gluon_syncbn_hooked = True
+
+
+def _note_placement(block):
+    """Remember the contexts of the SyncBatchNorm layers ``block``'s graph
+    was traced for."""
+    block._gluon_syncbn_placement = [_placements[0]] + [
+        (b.gamma, b.gamma.list_ctx()) for b in blocks_of(block) if hasattr(b, '_backend_for')]
+
+
+def _moved(block):
+    """Whether a SyncBatchNorm layer of ``block`` lives on other contexts
+    than its cached graph was traced for (``reset_ctx``, ``initialize(...,
+    force_reinit=True)``, ``load_parameters(ctx=...)``): the graph holds the
+    layers' backends for those devices, and would wait for a device that no
+    longer calls, or refuse one that now does."""
+    placement = block.__dict__.get('_gluon_syncbn_placement')
+    if placement is None or placement[0] == _placements[0]:
+        return False
+    for param, contexts in placement[1:]:
+        try:
+            if param.list_ctx() is not contexts:
+                return True
+        except RuntimeError:  # not initialized any more
+            return True
+    placement[0] = _placements[0]
+    return False
+
+
+@contextlib.contextmanager
+def _without_static_shape(block):
+    """``block`` traced without static_shape in the context (static_alloc
+    stays), for the training graph of a block whose layers run the Python
+    operator. A static_shape graph makes its operators once, and a custom
+    operator there can neither learn which step a call belongs to nor order
+    its update of the running statistics before a later predict call's
+    reads, as the native operators do (:func:`_stamp_static`, :func:`_fence`).
+    Its predict graph, ``BatchNorm`` alone, keeps static_shape."""
+    flags, layers = block._flags, [b for b in blocks_of(block) if hasattr(b, '_static_shape')]
+    static = [b._static_shape for b in layers]
+    block._flags = [(k, v) for k, v in flags if k != 'static_shape']
+    for b in layers:
+        b._static_shape = False
+    try:
+        yield
+    finally:
+        block._flags = flags
+        for b, value in zip(layers, static):
+            b._static_shape = value
+
+
+class _StaticLayers(object):
+    """A static_shape graph's native layers on one device, found once per
+    graph and device: their handles, device indices and running statistics."""
+
+    def __init__(self, graphs, ctx):
+        self.handles, self.devices, self.running = [], [], []
+        for backend in graphs['calls']:
+            if ctx in backend.devices:
+                device = backend.devices.index(ctx)
+                self.handles.append(backend.handle)
+                self.devices.append(device)
+                self.running += backend.running_arrays(device)
+
+
+def _static_layers(graphs, ctx):
+    found = graphs['static'].get(ctx)
+    if found is None:
+        found = graphs['static'][ctx] = _StaticLayers(graphs, ctx)
+    return found
+
+
+def _stamp_static(graphs, ctx, session):
+    """Before a static_shape graph's training calls on ``ctx`` are issued:
+    tell its layers the step they belong to, which its operators, made once,
+    cannot know: one engine operation on their engine variables, ordered
+    before the graph's calls (``gsbn_stamp_static``)."""
+    layers = _static_layers(graphs, ctx)
+    if layers.handles:
+        session.native.stamp_static(layers.handles, layers.devices)
+    graphs['trained'].add(ctx)
+
+
+def _fence(graphs, ctx, session):
+    """Before a static_shape block's predict-mode graph is issued on ``ctx``
+    after training calls there: its reads of the running statistics come
+    after those calls' updates, which the static graph made inside its
+    operators, as read-only inputs: one engine operation on the layers'
+    engine variables and running statistics (``gsbn_fence``). No thread
+    waits, so a device's predict call may come before another device's
+    training call of the same step."""
+    graphs['trained'].discard(ctx)
+    layers = _static_layers(graphs, ctx)
+    if layers.handles:
+        session.native.fence(layers.handles, layers.devices, layers.running)
 
 
 def install_cached_op_hook(hybrid_block_class, session, is_training):
@@ -262,8 +401,25 @@ def install_cached_op_hook(hybrid_block_class, session, is_training):
     original = hybrid_block_class._call_cached_op
 
     def _call_cached_op(self, *args):
-        _use_graph_for_mode(self, args, bool(is_training()))
+        try:
+            return _run_cached_op(self, args)
+        except mx.base.MXNetError as exc:
+            ours = from_mxnet(exc)  # a layer's refusal, while the graph was issued
+            if ours is None:
+                raise
+            raise ours from exc
+
+    def _run_cached_op(self, args):
+        training = bool(is_training())
+        _use_graph_for_mode(self, args, training)
         session.clear_failed_arrays()
+        graphs = self.__dict__.get('_gluon_syncbn_graphs')
+        if graphs and graphs['static'] is not None and args and hasattr(args[0], 'context'):
+            ctx = str(args[0].context)
+            if training:
+                _stamp_static(graphs, ctx, session)
+            elif ctx in graphs['trained']:
+                _fence(graphs, ctx, session)
         layers = None
         if args and hasattr(args[0], 'dtype') and is_training():
             # The layers' names and device count, found again whenever the
@@ -314,5 +470,6 @@ def install():
                               mx.autograd.is_recording, mx.autograd.is_training)
     install_exit_abort_hook(SESSION, mx.nd.waitall)
     install_cached_op_hook(mx.gluon.HybridBlock, SESSION, mx.autograd.is_training)
+    install_parameter_hook(mx.gluon.Parameter)
     install_trainer_hook(mx.gluon.Trainer, SESSION, mx.nd.waitall)
 

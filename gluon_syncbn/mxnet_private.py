@@ -22,15 +22,18 @@ Raw memory
     * ``mxnet::Context`` is ``{int32 dev_type, int32 dev_id}`` (the native
       operators pass one to ``MXEnginePushSyncND``).
     * static_shape graphs register an operator's auxiliary states and
-      mutable inputs as read-only inputs, so the Python operator updates
-      running statistics there by engine operations on the Parameter's own
-      arrays, read-modify-write in engine order (``backends/python_op.py``
-      _update_running, through ``_mul_scalar`` and ``elemwise_add``); the
+      mutable inputs as read-only inputs, and make their operators once; the
       native operators' states share one engine variable per layer and device
       (``native/sync_call.h`` layer_variable), which orders a layer's calls,
-      and their updates inside them, there. Nothing orders a predict graph's
-      read after them, so ``hooks`` waits for the engine when a static_shape
-      block changes mode.
+      and their updates inside them, there; ``hooks`` stamps each graph call
+      with its step (``gsbn_stamp_static``) and fences a predict call after
+      training calls (``gsbn_fence``, which reads an NDArray's engine
+      variable, ``NDArray::var``); a block whose layers run the Python
+      operator gets its graphs without static_shape (its ``_flags``).
+    * After an abort the engine variables of a layer are waited on with
+      ``Engine::WaitForVar`` (``native/mxnet_abi.h``
+      settle_engine_variable), which rethrows and nulls the error a failed
+      call left on every array it reached.
 
 Failures
     * A custom-operator callback that fails (raises, in the Python operator)
@@ -87,6 +90,9 @@ Class patches (``hooks``, installed by the package's ``__init__``: ``hooks.insta
     ``data1``, ...: ``hooks.traced_ndim``).
     ``Trainer._init_params`` (the first step's broadcast of every parameter
     from device 0) first drains the engine (``hooks.install_trainer_hook``).
+    ``Parameter._init_impl`` (initialize, ``reset_ctx``, a load onto other
+    contexts) is counted (``hooks.install_parameter_hook``), and a cached
+    graph compares ``Parameter.list_ctx()`` with the list it was traced for.
 
 Size-0 arrays (``VectorBackend._empty_slice`` in ``backends/vector_graph.py``, the operators)
     ``reshape`` with -1 divides by zero, reductions give NaN forward and leave

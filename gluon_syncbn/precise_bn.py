@@ -18,12 +18,10 @@ calls are tallied (:class:`~gluon_syncbn.stats.Tally`):
   so that every device gets the same statistics.
 
 A network whose batch-norm layers all synchronize runs as it trains, through
-its graphs if hybridized. It runs imperatively (its graphs stay for later
-calls) where a layer of the second kind needs its pre-hook, which a graph
-does not call, and where a layer runs in static_shape graphs: their
-operators are made once, so a call issued before a failure but run after
-it cannot tell (it would wait for its partners until the timeout), whereas
-an imperative call knows the step it was issued in.
+its graphs if hybridized (static_shape ones too: each graph call is stamped
+with its step, see ``hooks``). It runs imperatively (its graphs stay for
+later calls) where a layer of the second kind needs its pre-hook, which a
+graph does not call.
 """
 import contextlib
 import itertools
@@ -127,9 +125,8 @@ def update_bn_stats(net, data, num_batches=200, ctx_list=None, batch_axis=0, pro
 def _run(net, tallies, batches, ctx_list, batch_axis, bar):
     """``net`` in training mode without recording on every batch, its
     layers' tallies on."""
-    # Imperatively where a pre-hook must see a layer's input, and where a
-    # static_shape graph's calls could not tell the step they were issued in.
-    imperative = any(isinstance(t, _LocalTally) or t.layer._static_shape for t in tallies)
+    # Imperatively where a pre-hook must see a layer's input.
+    imperative = any(isinstance(t, _LocalTally) for t in tallies)
     contexts = tallies[0].contexts
     for t in tallies:
         t.start()

@@ -198,6 +198,11 @@ class Session(object):
         with self._clear_lock:
             if step == self._cleared_token:
                 return
+            # The aborted step's calls end at once (a stale one is refused by
+            # its token), so this waits only for the work queued before
+            # them; a static_shape graph's poison the next step's arrays
+            # when they run, and must have run before the clearing.
+            _drain()
             for backend in self._live_backends():
                 backend.clear_failed_state()
             self._cleared_token = step
@@ -209,6 +214,15 @@ class Session(object):
             cause = SyncBatchNormError('gluon_syncbn.reset() was called while this call waited.')
         self.abort(cause, exiting)
         self.fail_others(cause)
+
+
+def _drain():
+    """Wait for the engine, swallowing a failed step's error (reported already)."""
+    import mxnet as mx  # pylint: disable=import-outside-toplevel
+    try:
+        mx.nd.waitall()
+    except Exception:  # pylint: disable=broad-except
+        pass
 
 
 SESSION = Session()

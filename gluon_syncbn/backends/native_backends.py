@@ -49,7 +49,15 @@ def _arguments(backend, handle):
 
 class _NativeTallies(object):
     """The tallies of a native backend's layer, kept by the native session
-    (``add_to_tally`` in ``native/session.h``)."""
+    (``add_to_tally`` in ``native/session.h``), and the settling of its
+    calls after an aborted step."""
+
+    def clear_failed_state(self):
+        # The layer's engine variables, which every call of it writes: what
+        # a static_shape graph's calls of an aborted step poisoned (their
+        # arrays are the next step's) is cleared with them.
+        self._lib.settle(self.handle)
+        super(_NativeTallies, self).clear_failed_state()
 
     def start_tally(self):
         self._lib.tally(self.handle, True)

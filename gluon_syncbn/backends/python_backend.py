@@ -35,6 +35,21 @@ class PythonBackend(VectorBackend):
         self.handle = python_op.register(self)
         self._tallies = None  # a Tally per device while tallying
         self._tally_lock = threading.Lock()
+        self._failed_arrays = []  # arrays failed calls left their error on
+
+    def note_failed(self, arrays):
+        """A call failed with its error on ``arrays`` (see ``fail_custom_call``):
+        cleared at the next step's first call (:meth:`clear_failed_state`)."""
+        self._failed_arrays.extend(arrays)
+
+    def clear_failed_state(self):
+        failed, self._failed_arrays = self._failed_arrays, []
+        for arr in failed:
+            try:
+                arr.wait_to_read()  # clears the error every array it reached shares
+            except Exception:  # pylint: disable=broad-except
+                pass  # the error of the aborted step, already reported
+        super(PythonBackend, self).clear_failed_state()
 
     def forward(self, F, x, gamma, beta, running_mean, running_var, dtype, static_shape,
                 imperative):
@@ -115,5 +130,5 @@ class PythonBackend(VectorBackend):
             m1, m2, v, F.BlockGrad(F.shape_array(data)), gamma, beta, running_mean,
             running_var, op_type=python_op.OP_TYPE, layer=self.handle, eps=kwargs['eps'],
             momentum=kwargs['momentum'], fix_gamma=kwargs['fix_gamma'], axis=kwargs['axis'],
-            static_shape=static_shape, input_dtype=dtype, name='sync')
+            input_dtype=dtype, name='sync')
         return scale, shift

@@ -4,9 +4,8 @@ It has the exchange operator's place in the graph (:mod:`.vector_graph`):
 it sees only per-channel vectors, the local moments computed by MXNet's
 native operators, gamma/beta and the running statistics, and never touches
 the activations, so MKL-DNN's blocked layouts never reach Python. Reading and
-writing its small arrays are direct copies, and the only operators it issues
-(running-statistics updates in static-shape graphs, see ``_update_running``) are
-not waited for, so nothing it does can queue behind work that waits for it.
+writing its small arrays are direct copies (on GPUs, MXNet copies it does
+not wait for), so nothing it does can queue behind work that waits for it.
 
 Data flow of one training call on device ``d``::
 
@@ -81,7 +80,7 @@ def _count(shape, channels):
 class SyncBatchNormOp(mx.operator.CustomOp):
     """One device's instance of the synchronization operator."""
 
-    def __init__(self, backend, device, eps, momentum, fix_gamma, static_shape, input_dtype):
+    def __init__(self, backend, device, eps, momentum, fix_gamma, input_dtype):
         super(SyncBatchNormOp, self).__init__()
         self.input_dtype = input_dtype
         self.backend = backend
@@ -89,26 +88,29 @@ class SyncBatchNormOp(mx.operator.CustomOp):
         self.eps = eps
         self.momentum = momentum
         self.fix_gamma = fix_gamma
-        self.static_shape = static_shape
         self.in_place = backend.host_memory
         self.sync_group = backend.sync_group_of[device]  # our row of the reduced sums
-        # The step this call was issued in. A static_shape graph creates its
-        # operators once, at the first call, so there it means nothing.
-        self.token = None if static_shape else SESSION.issue_token()
+        # The step this call was issued in: MXNet makes the operator when the
+        # call is issued (hooks makes no static_shape graph for its layers,
+        # which would make it once).
+        self.token = SESSION.issue_token()
 
     def forward(self, is_train, req, in_data, out_data, aux):
         try:
             self._forward(is_train, req, in_data, out_data, aux)
         except Exception as exc:  # pylint: disable=broad-except
-            record_failure(exc)
-            fail_custom_call(in_data[0], in_data[1], exc, SESSION.native)
+            self._fail(in_data[0], in_data[1], exc)
 
     def backward(self, req, out_grad, in_data, out_data, in_grad, aux):
         try:
             self._backward(req, out_grad, in_data, out_data, in_grad, aux)
         except Exception as exc:  # pylint: disable=broad-except
-            record_failure(exc)
-            fail_custom_call(in_grad[0], in_grad[1], exc, SESSION.native)
+            self._fail(in_grad[0], in_grad[1], exc)
+
+    def _fail(self, hold, probe, exc):
+        record_failure(exc)
+        fail_custom_call(hold, probe, exc, SESSION.native)
+        self.backend.note_failed([hold])
 
     def _forward(self, is_train, req, in_data, out_data, aux):
         m1, m2, v = (_read(a) for a in in_data[:3])
@@ -134,21 +136,10 @@ class SyncBatchNormOp(mx.operator.CustomOp):
         _write(out_data[2], req[2], wire.pack_info(token, call, n, mean, var), self.in_place)
 
     def _update_running(self, aux, mean, var):
+        # The running statistics are this call's to write: it never runs in a
+        # static_shape graph (hooks makes none for its layers), where MXNet
+        # would hold them as read-only inputs.
         mom = self.momentum
-        if self.static_shape:
-            # MXNet 1.9.1's static_shape executor registers auxiliary states as
-            # read-only dependencies, so this call holds no write access to
-            # them, and a value computed from a read made here would be stale
-            # when the main thread has queued further steps (and overwrite
-            # their updates). The read-modify-write goes to this device's
-            # Parameter arrays as MXNet operators instead, in engine order.
-            for param, batch in zip(self.backend.running_arrays(self.device), (mean, var)):
-                running = param.as_nd_ndarray()  # a view: NumPy-mode arrays too
-                share = mx.nd.array(batch * (1.0 - mom), ctx=running.context,
-                                    dtype=running.dtype)
-                mx.nd.elemwise_add(mx.nd._internal._mul_scalar(running, scalar=mom, out=running),
-                                   share, out=running)
-            return
         _write(aux[0], 'write', _read(aux[0]) * mom + mean * (1.0 - mom), self.in_place)
         _write(aux[1], 'write', _read(aux[1]) * mom + var * (1.0 - mom), self.in_place)
 
@@ -167,9 +158,9 @@ class SyncBatchNormOp(mx.operator.CustomOp):
                             else (np.zeros(channels), np.zeros(channels)))
         contribution, d_gamma, d_beta = stats.backward_contribution(
             d_scale, d_shift, mean, m1, inv_std)
-        key = ('bwd', token, call)
+        key = ('bwd', token, call)  # the forward's: a call of a failed step raises
         total = self.backend.barrier.meet(key, self.device, (contribution, self.input_dtype),
-                                          self.backend.reduce, token=self.token)[self.sync_group]
+                                          self.backend.reduce, token=token)[self.sync_group]
         d_m2, d_v = stats.local_moment_grads(total, count, n, mean, m1 + _read(in_data[1]),
                                              gamma, inv_std)
         _write(in_grad[0], req[0], 0, self.in_place)  # m1 is a constant (BlockGrad in the block)
@@ -189,15 +180,13 @@ class SyncBatchNormProp(mx.operator.CustomOpProp):
     other custom operators that rely on the default.
     """
 
-    def __init__(self, layer, eps, momentum, fix_gamma, axis, static_shape='False',
-                 input_dtype='float32'):
+    def __init__(self, layer, eps, momentum, fix_gamma, axis, input_dtype='float32'):
         super(SyncBatchNormProp, self).__init__(need_top_grad=True)
         self.handle = layer
         self.eps = float(eps)
         self.momentum = float(momentum)
         self.fix_gamma = fix_gamma in ('True', 'true', '1')
         self.axis = int(axis)
-        self.static_shape = static_shape in ('True', 'true', '1')
         self.input_dtype = input_dtype
 
     def list_arguments(self):
@@ -258,5 +247,4 @@ class SyncBatchNormProp(mx.operator.CustomOpProp):
         # block) and the input's dtype as the block saw it must both agree.
         stats_dtype = np.dtype(_DTYPE_MX_TO_NP[in_dtypes[0]]).name  # MXNet type code
         dtype = '%s (statistics in %s)' % (self.input_dtype, stats_dtype)
-        return SyncBatchNormOp(backend, device, self.eps, self.momentum,
-                               self.fix_gamma, self.static_shape, dtype)
+        return SyncBatchNormOp(backend, device, self.eps, self.momentum, self.fix_gamma, dtype)

@@ -36,6 +36,11 @@ class Library(object):
                                        c.POINTER(c.c_int), c.c_int, c.c_int,
                                        c.POINTER(c.c_double), c.c_int], c.c_int64),
                 ('gsbn_layer_remove', [c.c_int64], None),
+                ('gsbn_stamp_static', [c.POINTER(c.c_int64), c.POINTER(c.c_int), c.c_int],
+                 c.c_int),
+                ('gsbn_settle', [c.c_int64], None),
+                ('gsbn_fence', [c.POINTER(c.c_int64), c.POINTER(c.c_int), c.c_int,
+                                c.POINTER(c.c_void_p), c.c_int], c.c_int),
                 ('gsbn_tally', [c.c_int64, c.c_int], None),
                 ('gsbn_tally_read', [c.c_int64, c.c_int, c.POINTER(c.c_double),
                                      c.POINTER(c.c_double), c.POINTER(c.c_double), c.c_int],
@@ -73,6 +78,28 @@ class Library(object):
 
     def remove_layer(self, layer):
         self._lib.gsbn_layer_remove(layer)
+
+    def stamp_static(self, layers, devices):
+        """A static graph with calls of ``layers`` (handles) on ``devices``
+        (their indices) is being issued: stamp its step on them. True on success."""
+        c = ctypes
+        return self._lib.gsbn_stamp_static((c.c_int64 * len(layers))(*layers),
+                                           (c.c_int * len(devices))(*devices), len(layers)) == 0
+
+    def fence(self, layers, devices, arrays):
+        """Order reads of ``arrays`` (NDArrays) issued from now on after the
+        calls of ``layers`` (handles) on ``devices`` (their indices) issued so
+        far. True on success."""
+        c = ctypes
+        return self._lib.gsbn_fence((c.c_int64 * len(layers))(*layers),
+                                    (c.c_int * len(devices))(*devices), len(layers),
+                                    (c.c_void_p * len(arrays))(*[a.handle for a in arrays]),
+                                    len(arrays)) == 0
+
+    def settle(self, layer):
+        """Wait for ``layer``'s calls issued so far and clear the error a failed
+        one left on their arrays."""
+        self._lib.gsbn_settle(layer)
 
     def tally(self, layer, on):
         """Start (``on``: every device's tally emptied) or stop ``layer``'s tally."""

@@ -119,6 +119,25 @@ template <typename T> mxnet::OpStatePtr make_state(T* object,
 // A new engine variable that lives as long as the process.
 mxnet::Engine::VarHandle new_engine_variable() { return mxnet::Engine::Get()->NewVariable(); }
 
+// The engine variable of an NDArray handed to us by handle.
+mxnet::Engine::VarHandle array_variable(void* array) {
+  return static_cast<mxnet::NDArray*>(array)->var();
+}
+
+// Waits for every operation pushed so far on `var`, and clears the error a
+// failed one left on it: Engine::WaitForVar rethrows it and nulls the
+// exception_ptr that every array the failure reached shares
+// (ThreadedEngine::ThrowException), so those are clear too. False if there
+// was one.
+bool settle_engine_variable(mxnet::Engine::VarHandle var) {
+  try {
+    mxnet::Engine::Get()->WaitForVar(var);
+  } catch (...) {
+    return false;
+  }
+  return true;
+}
+
 // f(key, value) for each of the node's string arguments (NodeAttrs::dict,
 // iterated only).
 template <typename F> void for_each_argument(const nnvm::NodeAttrs& attrs, F f) {

@@ -124,6 +124,9 @@ struct Layer : std::enable_shared_from_this<Layer> {
   // group and channel, the global means of the layer's last forward call,
   // the same on every worker; empty before its first.
   std::vector<double> shift;
+  // Static graphs: per device, 1 + the token of the step its next calls
+  // were issued in, as the last stamp set it (gsbn_stamp_static; 0: none yet).
+  std::vector<uint64_t> static_token;
   // While a tally is on, each device's forward calls add their global
   // statistics to its tally (add_to_tally).
   std::atomic<bool> tallying{false};
@@ -719,12 +722,14 @@ void add_to_tally(Layer& g, int device, const Info& stats) {
 // Numbers a forward call of `device`: sets its step token and call number, or
 // returns false with `error` set (and recorded) for a call of a step that
 // failed earlier. `issued` is the token the call got when it was issued;
-// static graphs create their operators once, so there the current token is
-// the call's.
+// static graphs create their operators once, so there the call's is the
+// token stamped before it (gsbn_stamp_static), or, where no stamp ran, the
+// current one.
 bool number_call(Layer& g, int device, bool static_graph, uint64_t issued, uint64_t* token,
                  int64_t* call, std::string* error) {
   std::lock_guard<std::mutex> lock(g_mutex);
-  *token = static_graph ? g_token : issued;
+  const uint64_t stamped = static_graph ? g.static_token[device] : 0;
+  *token = !static_graph ? issued : stamped ? stamped - 1 : g_token;
   if (*token != g_token) {
     *error = stale_message(g.name);
     record_locked("SyncBatchNormError", *error);

@@ -102,6 +102,7 @@ int64_t gsbn_layer_create(const char* name, const char* devices, int num_devices
   g->sync_group_of.assign(sync_group_of, sync_group_of + num_devices);
   g->num_sync_groups = num_sync_groups;
   g->next_call.assign(num_devices, 0);
+  g->static_token.assign(num_devices, 0);
   if (transport > 0) {
     g->transport = find_transport(transport);
     g->ownership.assign(owners, owners + num_owners);
@@ -118,6 +119,62 @@ void gsbn_layer_remove(int64_t layer) {
   forget_layer_staging(layer);
   std::lock_guard<std::mutex> lock(g_mutex);
   g_layers.erase(layer);
+}
+
+// A static graph is being issued on one device, with calls of `layers`
+// (handles) on their devices `devices` (indices): one engine operation on
+// those layers' engine variables, so ordered after the calls issued before
+// and before the graph's, records the token of the step they are issued in,
+// which numbers them (number_call): a static graph makes its operators once,
+// so they cannot know it. A call of an aborted step is then refused at once
+// instead of waiting for partners. 0 on success.
+int gsbn_stamp_static(const int64_t* layers, const int* devices, int num) {
+  const uint64_t token = issue_token();
+  std::vector<std::pair<std::shared_ptr<Layer>, int>> stamps;
+  std::vector<mxnet::Engine::VarHandle> vars;
+  for (int i = 0; i < num; ++i) {
+    std::string error;
+    auto g = find_layer(layers[i], &error);
+    if (!g || devices[i] < 0 || devices[i] >= static_cast<int>(g->devices.size())) continue;
+    stamps.emplace_back(g, devices[i]);
+    vars.push_back(layer_variable(layer_key(layers[i], devices[i])));
+  }
+  if (vars.empty()) return 0;
+  auto* f = new Pushed{[stamps, token]() {
+    std::lock_guard<std::mutex> lock(g_mutex);
+    for (const auto& s : stamps) s.first->static_token[s.second] = token + 1;
+  }};
+  int ctx[2] = {1, 0};  // mxnet::Context{kCPU, 0}: it only orders
+  return MXEnginePushSync(run_pushed, f, delete_pushed, ctx, nullptr, 0, vars.data(),
+                          static_cast<int>(vars.size()), nullptr, 0, "gluon_syncbn_stamp");
+}
+
+// A predict-mode graph is being issued on one device after training calls of
+// `layers` (handles) on their devices `devices` (indices) in a static graph,
+// which holds the running statistics as read-only inputs (its calls update
+// them inside, ordered by the layers' engine variables): one engine operation
+// on those variables and on `arrays` (the running statistics the predict
+// graph reads), so that the reads come after the updates. 0 on success.
+int gsbn_fence(const int64_t* layers, const int* devices, int num, NDArrayHandle* arrays,
+               int num_arrays) {
+  std::vector<mxnet::Engine::VarHandle> vars;
+  for (int i = 0; i < num; ++i) vars.push_back(layer_variable(layer_key(layers[i], devices[i])));
+  for (int i = 0; i < num_arrays; ++i) vars.push_back(array_variable(arrays[i]));
+  auto* f = new Pushed{[]() {}};
+  int ctx[2] = {1, 0};  // mxnet::Context{kCPU, 0}: it only orders
+  return MXEnginePushSync(run_pushed, f, delete_pushed, ctx, nullptr, 0, vars.data(),
+                          static_cast<int>(vars.size()), nullptr, 0, "gluon_syncbn_fence");
+}
+
+// Waits for the calls of layer `layer` issued so far on every device and
+// clears the error a failed one left on their arrays (settle_engine_variable
+// on its engine variables); after an abort, before the next step's calls.
+void gsbn_settle(int64_t layer) {
+  std::string error;
+  auto g = find_layer(layer, &error);
+  if (!g) return;
+  for (size_t i = 0; i < g->devices.size(); ++i)
+    settle_engine_variable(layer_variable(layer_key(layer, static_cast<int>(i))));
 }
 
 // Starts a layer's tally (`on`: every device's emptied) or stops it.
