@@ -1,9 +1,10 @@
 """The SyncBatchNorm layer: arguments, parameters, input checks, and when
 it synchronizes. How it does is its backend's business (:mod:`.backends`)."""
+import copy
 import os
 
 from mxnet import autograd, ndarray
-from mxnet.gluon import HybridBlock
+from mxnet.gluon import nn
 from mxnet.util import is_np_array, is_np_shape
 
 from . import messages
@@ -13,7 +14,7 @@ from .cpu_contexts import check_cpu_contexts, is_naive_engine
 from .errors import SyncBatchNormError
 from .gpus import check_gpus
 from .groups import check_sync_groups
-from .hooks import traced_call, tracing_for_prediction
+from .hooks import deepcopy_as_default, refuse_copy_of_graph, traced_call, tracing_for_prediction
 from .mxnet_private import dtype_name
 from .session import SESSION, SETUP_LOCK
 from .transport import make_transport
@@ -29,12 +30,13 @@ def default_timeout():
     return float(value) if value else DEFAULT_TIMEOUT
 
 
-class SyncBatchNorm(HybridBlock):
+class SyncBatchNorm(nn.BatchNorm):
     """Batch normalization with statistics over the whole batch on all devices.
 
-    A drop-in replacement for :class:`mxnet.gluon.nn.BatchNorm`: same arguments,
-    defaults and parameter names (``gamma``, ``beta``, ``running_mean``,
-    ``running_var``), so parameter files move between the two. In training mode
+    A drop-in replacement for :class:`mxnet.gluon.nn.BatchNorm`, and one
+    (``isinstance(layer, nn.BatchNorm)``): same arguments, defaults and
+    parameter names (``gamma``, ``beta``, ``running_mean``, ``running_var``),
+    so parameter files move between the two. In training mode
     each call meets the same call on the other devices (the k-th call on each
     device belongs together) and normalizes with the mean and variance of the
     concatenated batch, for any split, uneven ones included. Gradients are those
@@ -107,12 +109,18 @@ class SyncBatchNorm(HybridBlock):
                  running_mean_initializer='zeros', running_variance_initializer='ones',
                  in_channels=0, num_devices=None, timeout=None, kvstore=None, sync_groups=None,
                  **kwargs):
-        super(SyncBatchNorm, self).__init__(**kwargs)
         if num_devices is not None and (int(num_devices) != num_devices or num_devices < 1):
             raise ValueError('SyncBatchNorm: num_devices must be a positive integer or None, '
                              'got %r' % (num_devices,))
-        self._kwargs = {'axis': axis, 'eps': epsilon, 'momentum': momentum,
-                        'fix_gamma': not scale, 'use_global_stats': use_global_stats}
+        # nn.BatchNorm's parameters (gamma, beta, running_mean, running_var),
+        # and its _kwargs, which the operators take.
+        super(SyncBatchNorm, self).__init__(
+            axis=axis, momentum=momentum, epsilon=epsilon, center=center, scale=scale,
+            use_global_stats=use_global_stats, beta_initializer=beta_initializer,
+            gamma_initializer=gamma_initializer,
+            running_mean_initializer=running_mean_initializer,
+            running_variance_initializer=running_variance_initializer,
+            in_channels=in_channels, **kwargs)
         self._num_devices = num_devices
         self._timeout = float(timeout) if timeout is not None else default_timeout()
         self._transport = make_transport(kvstore)
@@ -126,22 +134,28 @@ class SyncBatchNorm(HybridBlock):
         self._checked_shape = None  # the input shape the last imperative call checked
         self._input_dtype = 'float32'
         self._static_shape = False
-        if in_channels != 0:
-            self.in_channels = in_channels
-        self.gamma = self.params.get('gamma', grad_req='write' if scale else 'null',
-                                     shape=(in_channels,), init=gamma_initializer,
-                                     allow_deferred_init=True, differentiable=scale)
-        self.beta = self.params.get('beta', grad_req='write' if center else 'null',
-                                    shape=(in_channels,), init=beta_initializer,
-                                    allow_deferred_init=True, differentiable=center)
-        self.running_mean = self.params.get('running_mean', grad_req='null',
-                                            shape=(in_channels,),
-                                            init=running_mean_initializer,
-                                            allow_deferred_init=True, differentiable=False)
-        self.running_var = self.params.get('running_var', grad_req='null',
-                                           shape=(in_channels,),
-                                           init=running_variance_initializer,
-                                           allow_deferred_init=True, differentiable=False)
+
+    def _alias(self):
+        return 'syncbatchnorm'  # names as before nn.BatchNorm was its base ('batchnorm')
+
+    # What a copy (copy.deepcopy) or a pickle starts afresh: the backend and
+    # the checks of the devices it synchronized on, which a copy makes for
+    # itself at its first training call (so it never joins the original's
+    # calls); and nothing hooks kept of a graph.
+    _FRESH = {'_sync_backend': None, '_checked_contexts': None, '_synchronizes': False,
+              '_checked_shape': None}
+
+    def __getstate__(self):
+        state = {k: v for k, v in self.__dict__.items() if not k.startswith('_gluon_syncbn')}
+        state.update(self._FRESH)
+        return state
+
+    def __deepcopy__(self, memo):
+        refuse_copy_of_graph(self)
+        # The copy shares the transport: one per store, holding locks and the
+        # user's kvstore.
+        memo[id(self._transport)] = self._transport
+        return deepcopy_as_default(self, memo)
 
     @property
     def num_devices(self):
@@ -155,9 +169,10 @@ class SyncBatchNorm(HybridBlock):
         super(SyncBatchNorm, self).hybridize(active, **kwargs)
 
     def cast(self, dtype):
-        # Like nn.BatchNorm: float16 networks keep float32 parameters. We also
-        # remember the network's dtype: a hybridized graph cannot see its input's
-        # dtype, and float16 input needs casts around float32 statistics.
+        # Like nn.BatchNorm: float16 networks keep float32 parameters (bfloat16
+        # ones too). We also remember the network's dtype: a hybridized graph
+        # cannot see its input's dtype, and float16 input needs casts around
+        # float32 statistics.
         self._input_dtype = dtype_name(dtype)
         if self._input_dtype in LOW_PRECISION:
             dtype = 'float32'

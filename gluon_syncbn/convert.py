@@ -2,13 +2,41 @@
 
 Both directions hand the *same* Parameter objects to the new layer, so values,
 contexts, gradients and checkpoints are untouched (bit-exact by construction).
+A block that normalizes over the batch but is none of the layers known here
+(another subclass of Gluon's ``_BatchNorm``, a SymbolBlock whose graph holds
+``BatchNorm`` operators) stays as it is, with a warning naming it.
 """
-from mxnet.gluon import nn
+import json
+
+from mxnet.gluon import SymbolBlock, nn
 from mxnet.gluon.contrib import nn as contrib_nn
+from mxnet.gluon.nn.basic_layers import _BatchNorm
+from mxnet.util import is_np_array
 
 from .block import SyncBatchNorm
+from .errors import warn_user
 
 __all__ = ['convert_model', 'revert_model']
+
+
+class _SyncBatchNormReLU(SyncBatchNorm):
+    """What ``convert_model`` makes of ``nn.BatchNormReLU``: SyncBatchNorm,
+    then ReLU, with the same Parameters (and names) as the layer it replaces."""
+
+    def _alias(self):
+        return 'syncbatchnormrelu'
+
+    def hybrid_forward(self, F, x, gamma, beta, running_mean, running_var):
+        out = super(_SyncBatchNormReLU, self).hybrid_forward(F, x, gamma, beta, running_mean,
+                                                             running_var)
+        return F.npx.relu(out) if is_np_array() else F.relu(out)
+
+
+# The layers convert_model replaces (by their exact class: a subclass may
+# do more than its base, which a replacement would drop), and what by.
+_SYNCHRONIZED = {nn.BatchNorm: SyncBatchNorm, contrib_nn.SyncBatchNorm: SyncBatchNorm,
+                 nn.BatchNormReLU: _SyncBatchNormReLU}
+_REVERTED = {SyncBatchNorm: nn.BatchNorm, _SyncBatchNormReLU: nn.BatchNormReLU}
 
 
 def _settings(bn):
@@ -20,8 +48,9 @@ def _settings(bn):
                 in_channels=bn.gamma.shape[0] if bn.gamma.shape else 0)
 
 
-def _swap(block, match, make):
-    """Replace, anywhere below ``block``, every child ``match(child)`` by ``make(child)``.
+def _swap(block, make):
+    """Replace, anywhere below ``block``, every child for which ``make(child)``
+    gives a layer by that layer.
 
     Returns how many layers were replaced. Children are found through Gluon's
     registry and replaced there and in every attribute, list, tuple or dict of
@@ -29,13 +58,13 @@ def _swap(block, match, make):
     """
     replaced = 0
     for key, child in list(block._children.items()):
-        if match(child):
-            new = make(child)
+        new = make(child)
+        if new is not None:
             block._children[key] = new
             _replace_references(block, child, new)
             replaced += 1
         else:
-            replaced += _swap(child, match, make)
+            replaced += _swap(child, make)
     if replaced and hasattr(block, '_clear_cached_op'):
         block._clear_cached_op()  # the cached graph still holds the old layers
     return replaced
@@ -83,13 +112,18 @@ def convert_model(net, num_devices=None, timeout=None, kvstore=None, sync_groups
     Block
         ``net``. Call ``hybridize()`` again if it was hybridized.
     """
-    def make(bn):
-        return SyncBatchNorm(num_devices=num_devices, timeout=timeout, kvstore=kvstore,
-                             sync_groups=sync_groups, prefix=bn.prefix, params=bn.params,
-                             **_settings(bn))
-    if _is_batchnorm(net):
-        return make(net)
-    _swap(net, _is_batchnorm, make)
+    def make(block):
+        layer = _SYNCHRONIZED.get(type(block))
+        if layer is None:
+            _warn_if_it_normalizes(block)
+            return None
+        return layer(num_devices=num_devices, timeout=timeout, kvstore=kvstore,
+                     sync_groups=sync_groups, prefix=block.prefix, params=block.params,
+                     **_settings(block))
+    new = make(net)
+    if new is not None:
+        return new
+    _swap(net, make)
     return net
 
 
@@ -109,14 +143,40 @@ def revert_model(net):
     Block
         ``net``. Call ``hybridize()`` again if it was hybridized.
     """
-    def make(bn):
-        return nn.BatchNorm(prefix=bn.prefix, params=bn.params, **_settings(bn))
-    if isinstance(net, SyncBatchNorm):
-        return make(net)
-    _swap(net, lambda b: isinstance(b, SyncBatchNorm), make)
+    def make(block):
+        layer = _REVERTED.get(type(block))
+        return layer(prefix=block.prefix, params=block.params, **_settings(block)) \
+            if layer is not None else None
+    new = make(net)
+    if new is not None:
+        return new
+    _swap(net, make)
     return net
 
 
-def _is_batchnorm(block):
-    return (isinstance(block, (nn.BatchNorm, contrib_nn.SyncBatchNorm))
-            and not isinstance(block, SyncBatchNorm))
+def _warn_if_it_normalizes(block):
+    """One warning naming ``block`` if it normalizes over the batch, each
+    device's slice alone, and convert_model cannot replace it."""
+    if isinstance(block, _BatchNorm) and not isinstance(block, SyncBatchNorm):
+        warn_user("convert_model: '%s' (%s.%s) normalizes over the batch, but it is none of "
+                  "the layers convert_model replaces (nn.BatchNorm, nn.BatchNormReLU, "
+                  "contrib.nn.SyncBatchNorm): it stays as it is and normalizes each device's "
+                  "slice alone. Build it as gluon_syncbn.SyncBatchNorm (norm_layer=) instead."
+                  % (block.name, type(block).__module__, type(block).__name__))
+    elif isinstance(block, SymbolBlock):
+        count = _batchnorm_operators(block)
+        if count:
+            warn_user("convert_model: '%s' is a SymbolBlock whose graph holds %d BatchNorm "
+                      "operator(s), which convert_model cannot replace: they normalize each "
+                      "device's slice alone. Build the network in Python (its Gluon model) "
+                      "and convert that." % (block.name, count))
+
+
+def _batchnorm_operators(block):
+    """How many BatchNorm operators a SymbolBlock's graph holds."""
+    try:
+        nodes = json.loads(block._cached_graph[1].tojson())['nodes']
+    except Exception:  # pylint: disable=broad-except
+        return 0
+    return sum(n['op'] in ('BatchNorm', '_contrib_BatchNormWithReLU', '_contrib_SyncBatchNorm')
+               for n in nodes)

@@ -27,10 +27,12 @@
 import atexit
 import collections
 import contextlib
+import copy
 import threading
 
 import mxnet as mx
 
+from . import messages
 from .errors import SyncBatchNormError, from_mxnet, last_failure, take_failures
 from .mxnet_private import FAILED_CALL_TEXT, dtype_name
 from .session import SESSION
@@ -446,6 +448,114 @@ def install_cached_op_hook(hybrid_block_class, session, is_training):
     hybrid_block_class._gluon_syncbn_cached_op_hooked = True
 
 
+def refuse_copy_of_graph(block):
+    """Raise if ``block``, which holds SyncBatchNorm layers, has a cached
+    graph: MXNet's CachedOp cannot be copied (nn.BatchNorm's network fails
+    there too, deep inside ``copy``: "ctypes objects containing pointers
+    cannot be pickled")."""
+    if block._cached_op is not None or block.__dict__.get('_gluon_syncbn_graphs'):
+        raise SyncBatchNormError(
+            "'%s' is hybridized and has run: its cached graph (MXNet's CachedOp) cannot be "
+            "copied, with SyncBatchNorm as with nn.BatchNorm layers. Copy it before its first "
+            "call, or call net.hybridize(False) first (it drops the graph; hybridize the copy "
+            "and the original again after)." % block.name)
+
+
+def deepcopy_as_default(obj, memo):
+    """What ``copy.deepcopy`` does for ``obj`` without a ``__deepcopy__``
+    (its ``__reduce_ex__``, which uses ``__getstate__``): Python's own
+    ``copy._reconstruct``."""
+    return copy._reconstruct(obj, memo, *obj.__reduce_ex__(4))  # pylint: disable=protected-access
+
+
+def install_deepcopy_hook(hybrid_block_class):
+    """``copy.deepcopy`` of a hybridized block that holds SyncBatchNorm
+    layers and has a cached graph raises our error, saying why; any other
+    copy is Python's own."""
+    if '__deepcopy__' in vars(hybrid_block_class):
+        return
+
+    def __deepcopy__(self, memo):
+        if any(hasattr(b, '_backend_for') for b in blocks_of(self)):
+            refuse_copy_of_graph(self)
+        return deepcopy_as_default(self, memo)
+
+    hybrid_block_class.__deepcopy__ = __deepcopy__
+
+
+# MXNet's refusals of a higher-order gradient through our layers where their
+# own operators cannot say it: a CachedOp's (a hybridized network's, or the
+# GPU path's imperative call's, whose advice about hybridize is wrong for a
+# network that was not hybridized), and the Python operator's, whose backward
+# is recorded but cannot be differentiated.
+_NO_HIGHER_ORDER = ('CachedOp does not support higher order gradients',
+                    'Cannot differentiate node because it is not in a computational graph')
+
+
+def _as_ours(exc, heads, session):
+    """The SyncBatchNorm failure behind MXNet's error ``exc``, raised by
+    ``autograd.grad``/``backward`` of ``heads``, or None: a layer's own
+    refusal, or MXNet's of a higher-order gradient where SyncBatchNorm
+    layers synchronize, naming the layers ``heads`` were computed through
+    (a graph run as a CachedOp does not show its operators: then every layer
+    that synchronizes)."""
+    ours = from_mxnet(exc)
+    unnamed = ours is not None and "SyncBatchNorm '?'" in str(ours)
+    if ours is not None and not unnamed:
+        return ours
+    if not unnamed and (not session.active()
+                        or not any(text in str(exc) for text in _NO_HIGHER_ORDER)):
+        return None
+    names = _layers_in(heads, session) or sorted(
+        {b.layer_name for b in session.live_backends()})
+    ours = SyncBatchNormError(messages.text('no_higher_order', layer="', '".join(names)))
+    ours.__cause__ = exc
+    return ours
+
+
+def _layers_in(heads, session):
+    """The names of the SyncBatchNorm layers whose operators the graph
+    ``heads`` were computed through shows (by the layers' handles)."""
+    import json  # pylint: disable=import-outside-toplevel
+    handles = set()
+    for head in heads if isinstance(heads, (list, tuple)) else [heads]:
+        try:
+            nodes = json.loads(mx.autograd.get_symbol(head).tojson())['nodes']
+        except Exception:  # pylint: disable=broad-except
+            continue
+        handles.update(n.get('attrs', {}).get('layer') for n in nodes)
+    return sorted(b.layer_name for b in session.live_backends() if str(b.handle) in handles)
+
+
+def install_grad_hooks(autograd_module, ndarray_class, session):
+    """A higher-order gradient through a SyncBatchNorm layer
+    (``autograd.grad(..., create_graph=True)``, then a backward through the
+    gradient) raises our error naming the layer, as MXNet names
+    nn.BatchNorm's backward: from ``autograd.grad``, ``autograd.backward`` or
+    ``NDArray.backward``. The native operators' backward refuses a gradient
+    of its own with the layer's name (``no_higher_order``)."""
+    if getattr(autograd_module.grad, '_gluon_syncbn_hooked', False):
+        return
+
+    def translated(function, heads_of):
+        def call(*args, **kwargs):
+            try:
+                return function(*args, **kwargs)
+            except mx.base.MXNetError as exc:
+                ours = _as_ours(exc, heads_of(*args, **kwargs), session)
+                if ours is None:
+                    raise
+                raise ours from exc
+        call.__doc__ = function.__doc__
+        call._gluon_syncbn_hooked = True
+        return call
+
+    autograd_module.grad = translated(autograd_module.grad, lambda heads, *a, **k: heads)
+    autograd_module.backward = translated(autograd_module.backward,
+                                          lambda heads, *a, **k: heads)
+    ndarray_class.backward = translated(ndarray_class.backward, lambda self, *a, **k: self)
+
+
 def install_trainer_hook(trainer_class, session, waitall):
     """Drain the engine before a Trainer's first broadcast of its parameters
     (see the module docstring), when any SyncBatchNorm layer has synchronized."""
@@ -471,5 +581,7 @@ def install():
     install_exit_abort_hook(SESSION, mx.nd.waitall)
     install_cached_op_hook(mx.gluon.HybridBlock, SESSION, mx.autograd.is_training)
     install_parameter_hook(mx.gluon.Parameter)
+    install_deepcopy_hook(mx.gluon.HybridBlock)
+    install_grad_hooks(mx.autograd, mx.nd.NDArray, SESSION)
     install_trainer_hook(mx.gluon.Trainer, SESSION, mx.nd.waitall)
 

@@ -46,6 +46,10 @@ TEMPLATES = {
         "{direction} call #{call} within {timeout}s; missing: {missing}. {hint}",
     'stale_call':
         "SyncBatchNorm '{layer}': this call belongs to a step that failed earlier: {cause}",
+    'no_higher_order':
+        "SyncBatchNorm '{layer}' does not support higher-order gradients "
+        "(autograd.grad(..., create_graph=True)), as nn.BatchNorm does not: its backward "
+        "has no gradient of its own.",
     'inference_backward':
         "SyncBatchNorm '{layer}': backward through a call made in inference mode; record the "
         "forward pass under autograd.record() (train_mode=True).",

@@ -93,6 +93,21 @@ Class patches (``hooks``, installed by the package's ``__init__``: ``hooks.insta
     ``Parameter._init_impl`` (initialize, ``reset_ctx``, a load onto other
     contexts) is counted (``hooks.install_parameter_hook``), and a cached
     graph compares ``Parameter.list_ctx()`` with the list it was traced for.
+    ``HybridBlock.__deepcopy__`` (Gluon defines none) refuses a network with
+    a cached graph and SyncBatchNorm layers, else copies as Python does
+    (``copy._reconstruct``); ``autograd.grad``, ``autograd.backward`` and
+    ``NDArray.backward`` raise our error for a higher-order gradient MXNet
+    refuses through our layers (``hooks.install_grad_hooks``), reading the
+    recorded graph (``autograd.get_symbol``) for the layers' handles.
+
+The layer's base (``block.SyncBatchNorm``, ``convert.py``)
+    ``nn.BatchNorm``'s constructor makes the parameters and ``_kwargs`` the
+    operators take; its ``_alias`` is 'batchnorm', ours 'syncbatchnorm'.
+    ``nn.BatchNormReLU`` and other batch-norm blocks are found as subclasses
+    of Gluon's private ``_BatchNorm``. A native operator's backward node
+    refuses its own gradient (``FGradient``, ``sync_call.h``
+    no_higher_order), reading the layer from its forward node, the backward
+    node's control dependency, where MXNet keeps it.
 
 Size-0 arrays (``VectorBackend._empty_slice`` in ``backends/vector_graph.py``, the operators)
     ``reshape`` with -1 divides by zero, reductions give NaN forward and leave

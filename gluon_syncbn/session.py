@@ -80,6 +80,10 @@ class Session(object):
         """Fail and clean up ``backend``'s calls with every other layer's."""
         self._backends.add(backend)
 
+    def live_backends(self):
+        """Every live layer's backend."""
+        return self._live_backends()
+
     def _live_backends(self):
         while True:
             try:

@@ -69,6 +69,12 @@ class _CrossProcessTransport(object):
         """Why this transport can have no native twin here, or ''."""
         return ''
 
+    def __reduce__(self):
+        raise SyncBatchNormError(
+            "SyncBatchNorm: a layer that synchronizes across processes cannot be pickled (its "
+            "kvstore or Horovod cannot). Save its parameters (save_parameters), or pickle a "
+            "network built with kvstore=None.")
+
     def make_native(self, lib):
         """The id of this transport's native twin in ``lib``, made at the
         first call. From then on the process ends at interpreter exit if its

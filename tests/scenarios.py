@@ -1123,6 +1123,91 @@ def new_device_set(change='reset_ctx', before=4, after=2, hybridize=True, steps=
 
 
 @scenario
+def drop_in(hybridize=False, seed=0):
+    """What users' code does with an nn.BatchNorm besides calling it, on
+    two contexts: a deep copy (inferring as the original; made trainable,
+    trained beside the original, each exact against float64 maths and
+    neither touching the other's running statistics), a pickle, a copy of a
+    hybridized network that has run (the error), gamma after a training
+    step with scale=False (stored as nn.BatchNorm stores it), and a
+    second-order gradient (the error, then a step that works)."""
+    import copy
+    import pickle
+    rng = np.random.RandomState(seed)
+    ctxs = contexts(2)
+    net = _BNStack(30.0)
+    net.initialize(ctx=ctxs)
+    net.bn1.gamma.set_data(mx.nd.array(_GAMMA1))
+    net.bn1.beta.set_data(mx.nd.array(_BETA1))
+    errs = WorstErrors()
+    running = {}
+
+    def train(n, x):
+        with autograd.record():
+            ys = [n(mx.nd.array(p, ctx=c)) for p, c in zip(split_batch(x, [2, 2]), ctxs)]
+        autograd.backward(ys)
+        y64, batch = _two_layers_float64(x)
+        old = running.get(id(n), [(np.zeros(3), np.ones(3))] * 2)
+        running[id(n)] = [(rm * 0.9 + m * 0.1, rv * 0.9 + v * 0.1)
+                          for (rm, rv), (m, v) in zip(old, batch)]
+        return ys, y64
+
+    def check(n, name):
+        for i, bn in enumerate((n.bn1, n.bn2)):
+            for c in ctxs:
+                errs.note(name + '_running', bn.running_var.data(c).asnumpy(),
+                          running[id(n)][i][1])
+
+    x = (rng.randn(4, 3, 4, 4) + 1e3).astype(np.float32)
+    ys, y64 = train(net, x)
+    errs.note('original', np.concatenate([y.asnumpy() for y in ys]), y64)
+    copied = copy.deepcopy(net)
+    running[id(copied)] = running[id(net)]
+    probe = mx.nd.array(x[:2], ctx=ctxs[0])
+    errs.note('copy_predicts', copied(probe).asnumpy(), net(probe).asnumpy())
+    copied.collect_params().reset_ctx(ctxs)  # MXNet: a copied array has no gradient attached
+    restored = pickle.loads(pickle.dumps(copied))  # (a hybridized network that ran cannot be)
+    errs.note('pickled_predicts', restored(probe).asnumpy(), copied(probe).asnumpy())
+    _hybridize(net, hybridize)
+    _hybridize(copied, hybridize)
+    issued = []
+    for _ in range(3):  # interleaved, nothing read before the last
+        issued.append(train(net, (rng.randn(4, 3, 4, 4) + 1e3).astype(np.float32)))
+        issued.append(train(copied, (rng.randn(4, 3, 4, 4) * 2 - 5e2).astype(np.float32)))
+    for ys, y64 in issued:
+        errs.note('interleaved', np.concatenate([y.asnumpy() for y in ys]), y64)
+    check(net, 'original')
+    check(copied, 'copy')
+    refused = _capture(lambda: copy.deepcopy(net))[0] if hybridize else None
+
+    fixed = SyncBatchNorm(in_channels=3, scale=False)
+    fixed.initialize(ctx=ctxs)
+    fixed.gamma.set_data(mx.nd.array([2.0, 3.0, 4.0]))
+    _hybridize(fixed, hybridize)
+    with autograd.record():
+        outs = [fixed(mx.nd.array(p, ctx=c)) for p, c in zip(split_batch(x, [2, 2]), ctxs)]
+    autograd.backward(outs)
+    gammas = [fixed.gamma.data(c).asnumpy().tolist() for c in ctxs]
+
+    xs = [mx.nd.array(p, ctx=c) for p, c in zip(split_batch(x, [2, 2]), ctxs)]
+    for a in xs:
+        a.attach_grad()
+
+    def second_order():
+        with autograd.record():
+            outs = [net(a) for a in xs]
+            grads = [autograd.grad((o * o).sum(), [a], create_graph=True)[0]
+                     for o, a in zip(outs, xs)]
+        autograd.backward([g.sum() for g in grads])
+    second, second_type, _ = _capture(second_order)
+    ys, y64 = train(net, (rng.randn(4, 3, 4, 4) + 1e3).astype(np.float32))
+    errs.note('after', np.concatenate([y.asnumpy() for y in ys]), y64)
+    return dict(errs, refused=refused, gammas=gammas, second=second, second_type=second_type,
+                is_batchnorm=isinstance(net.bn1, gluon.nn.BatchNorm),
+                operator=net.bn1._sync_backend.name)
+
+
+@scenario
 def misconfigured(problem, hybridize=False):
     """Errors raised before any synchronization: the message and how fast."""
     ctxs = contexts(2)

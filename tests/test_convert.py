@@ -1,6 +1,8 @@
 """convert_model / revert_model, checkpoints both ways, export without this
 package, and model-zoo networks."""
 
+import re
+
 import numpy as np
 import pytest
 
@@ -10,7 +12,8 @@ from mxnet import gluon
 from mxnet.gluon.model_zoo import vision
 
 from gluon_syncbn import SyncBatchNorm, convert_model, revert_model
-from tests.conftest import run_python, run_scenario
+from tests.conftest import (PATH_OPERATOR, PATHS, result_of, run_batch, run_python,
+                            run_scenario)
 
 
 class Custom(gluon.HybridBlock):
@@ -105,19 +108,15 @@ def test_norm_layer_builder_convention():
     assert isinstance(net[1], SyncBatchNorm) and net[1]._kwargs['momentum'] == 0.5
 
 
-def test_revert_then_export_loads_in_plain_mxnet(tmp_path):
-    net = convert_model(vision.resnet18_v1(classes=10))
-    net.initialize(mx.init.Xavier())
-    x = mx.nd.random.normal(shape=(1, 3, 32, 32))
+def _export_loads_in_plain_mxnet(net, x, tmp_path):
+    """``net`` (reverted) exported: a fresh interpreter that never imports
+    gluon_syncbn loads it and computes what ``net`` computed before."""
     expected = net(x).asnumpy()
-    revert_model(net)
-    assert not layers(net, SyncBatchNorm)
     net.hybridize()
     net(x)
     net.export(str(tmp_path / 'model'))
     np.save(str(tmp_path / 'x.npy'), x.asnumpy())
     np.save(str(tmp_path / 'y.npy'), expected)
-    # a fresh interpreter that never imports gluon_syncbn
     code = ('import numpy as np, mxnet as mx, sys\n'
             'assert "gluon_syncbn" not in sys.modules\n'
             'net = mx.gluon.SymbolBlock.imports(r"{0}/model-symbol.json", ["data"], '
@@ -129,6 +128,93 @@ def test_revert_then_export_loads_in_plain_mxnet(tmp_path):
     assert line, out.stderr[-2000:]
     assert float(line[0].split()[1]) < 1e-5
     assert 'gluon_syncbn' not in open(str(tmp_path / 'model-symbol.json')).read()
+
+
+def test_revert_then_export_loads_in_plain_mxnet(tmp_path):
+    net = convert_model(vision.resnet18_v1(classes=10))
+    net.initialize(mx.init.Xavier())
+    x = mx.nd.random.normal(shape=(1, 3, 32, 32))
+    expected = net(x).asnumpy()
+    revert_model(net)
+    assert not layers(net, SyncBatchNorm)
+    assert np.abs(net(x).asnumpy() - expected).max() == 0
+    _export_loads_in_plain_mxnet(net, x, tmp_path)
+
+
+def test_syncbatchnorm_is_an_nn_batchnorm():
+    """What a loop reads of an nn.BatchNorm reads the same on ours; the two
+    stay apart where it matters."""
+    ours, theirs = SyncBatchNorm(in_channels=3, momentum=0.8, scale=False), \
+        gluon.nn.BatchNorm(in_channels=3, momentum=0.8, scale=False)
+    assert isinstance(ours, gluon.nn.BatchNorm) and ours.name.startswith('syncbatchnorm')
+    assert ours._kwargs == theirs._kwargs
+    for name in ('gamma', 'beta', 'running_mean', 'running_var'):
+        a, b = getattr(ours, name), getattr(theirs, name)
+        assert (a.shape, a.grad_req, a._differentiable) == (b.shape, b.grad_req, b._differentiable)
+    for layer in (ours, theirs):
+        layer.initialize()
+        layer.cast('float16')
+    assert np.dtype(ours.gamma.dtype) == np.dtype(theirs.gamma.dtype) == np.float32
+    net = gluon.nn.HybridSequential()
+    net.add(SyncBatchNorm(), gluon.nn.BatchNorm())
+    convert_model(net)
+    assert len(layers(net, SyncBatchNorm)) == 2  # the first left as it was
+    revert_model(net)
+    assert len(layers(net, gluon.nn.BatchNorm)) == 2
+
+
+class _OwnBatchNorm(gluon.nn.BatchNorm):
+    """A user's subclass: convert_model does not know what it adds."""
+
+
+def test_batchnorm_relu_converts_and_reverts_and_unknown_ones_are_named(tmp_path):
+    net = gluon.nn.HybridSequential()
+    net.add(gluon.nn.Conv2D(4, 3), gluon.nn.BatchNormReLU(), gluon.nn.Conv2D(4, 3),
+            _OwnBatchNorm())
+    net.initialize(mx.init.Xavier())
+    x = mx.nd.random.normal(shape=(2, 3, 9, 9))
+    expected = net(x).asnumpy()
+    params = [id(p) for p in net.collect_params().values()]
+    with pytest.warns(RuntimeWarning) as caught:
+        convert_model(net)
+    assert isinstance(net[1], SyncBatchNorm) and type(net[3]) is _OwnBatchNorm
+    assert [id(p) for p in net.collect_params().values()] == params
+    assert np.abs(net(x).asnumpy() - expected).max() == 0  # ReLU included
+    messages = [str(w.message) for w in caught]
+    assert len(messages) == 1 and "'%s' (tests.test_convert._OwnBatchNorm)" % net[3].name \
+        in messages[0] and 'normalizes each device\'s slice alone' in messages[0], messages
+    revert_model(net)
+    assert type(net[1]) is gluon.nn.BatchNormReLU
+    _export_loads_in_plain_mxnet(net, x, tmp_path)
+    loaded = gluon.SymbolBlock.imports(str(tmp_path / 'model-symbol.json'), ['data'],
+                                       str(tmp_path / 'model-0000.params'))
+    with pytest.warns(RuntimeWarning, match="'%s' is a SymbolBlock whose graph holds 2 "
+                                            "BatchNorm operator" % loaded.name):
+        convert_model(loaded)
+
+
+@pytest.mark.parametrize('path', ['async', 'exchange', 'exchange-device', 'python'])
+def test_copies_pickles_fixed_gamma_and_second_order_gradients_as_nn_batchnorm(path):
+    """copy.deepcopy and pickle of a network (a copy trains on its own,
+    beside the original, both exact); gamma with scale=False stored as
+    nn.BatchNorm stores it; a second-order gradient refused naming the
+    layers, the next step exact. Imperative and hybridized."""
+    results = run_batch([('drop_in', dict(hybridize=h)) for h in (False, True)],
+                        env=PATHS[path])
+    for hybridize in (False, True):
+        r = result_of(results, int(hybridize))
+        assert r['operator'] == PATH_OPERATOR[path] and r['is_batchnorm'], r
+        for key in ('original', 'copy_predicts', 'pickled_predicts', 'interleaved',
+                    'original_running', 'copy_running', 'after'):
+            assert r[key] < 2e-6, (key, r)
+        assert r['gammas'] == [[1.0, 1.0, 1.0]] * 2, r
+        assert r['second_type'] == 'SyncBatchNormError', r
+        assert re.match(r"SyncBatchNorm '_bnstack\d_syncbatchnorm0', '_bnstack\d_syncbatchnorm1'"
+                        r".* does not support higher-order gradients", r['second']), r
+        assert 'hybridize' not in r['second'], r
+        if hybridize:
+            assert re.match(r"'_bnstack\d' is hybridized and has run: its cached graph",
+                            r['refused']), r
 
 
 def test_converted_resnet18_trains_on_two_contexts():

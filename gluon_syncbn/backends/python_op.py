@@ -129,6 +129,8 @@ class SyncBatchNormOp(mx.operator.CustomOp):
             n, mean, var = stats.merge(total)
             self.backend.add_to_tally(self.device, n, mean, var)
             self._update_running(aux, mean, var)
+            if self.fix_gamma:  # as nn.BatchNorm's training forward leaves it
+                _write(in_data[4], 'write', np.ones(in_data[4].shape), self.in_place)
             token, call = key[1], key[2]
         scale, shift, _ = stats.normalize_coefficients(mean, var, m1, gamma, beta, self.eps)
         _write(out_data[0], req[0], scale, self.in_place)

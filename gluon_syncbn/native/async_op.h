@@ -77,6 +77,7 @@ void async_forward(const mxnet::OpStatePtr& state, const mxnet::OpContext& ctx,
     c->finish_on(c->x.size(), [c, stats]() {
       const Params& p = c->node.params;
       update_running(p, c->rmean, c->rvar, stats);  // mutable inputs: ours to write
+      if (p.fix_gamma) fill(c->gamma, 1.0);  // as nn.BatchNorm's training forward leaves it
       normalize(p, c->l, c->x, c->gamma, c->beta, stats, c->y, c->write);
       c->complete();
     });

@@ -214,6 +214,8 @@ void finish_forward(const std::shared_ptr<ExchangeForward>& c, const std::vector
     put(c->images[1], ch, shift[ch], 1);
   }
   if (c->train) update_running(p, c->images[2], c->images[3], stats);
+  if (c->train && p.fix_gamma)  // as nn.BatchNorm's training forward leaves it
+    for (size_t ch = 0; ch < scale.size(); ++ch) put(c->images[4], ch, 1.0, 1);
   c->finish();
 }
 
@@ -241,6 +243,10 @@ void exchange_op_forward(const mxnet::OpStatePtr& state, const mxnet::OpContext&
   if (c->train) {
     c->written.insert(c->written.end(), {reads[kRunningMean], reads[kRunningVar]});
     c->images.insert(c->images.end(), {h[kRunningMean], h[kRunningVar]});
+  }
+  if (c->train && c->node.params.fix_gamma) {
+    c->written.push_back(reads[kGamma]);
+    c->images.push_back(h[kGamma]);
   }
   c->state.m1 = m1;
   c->state.local_mean = m1;

@@ -166,6 +166,11 @@ Info running_statistics(const Array& rmean, const Array& rvar) {
   return stats;
 }
 
+// Every element of `a` set to `value`.
+void fill(const Array& a, double value) {
+  for (int64_t i = 0; i < a.size(); ++i) put(a, i, value, 1);
+}
+
 // running = momentum * running + (1 - momentum) * batch; the caller holds
 // write access to the arrays.
 void update_running(const Params& p, const Array& rmean, const Array& rvar, const Info& stats) {

@@ -339,6 +339,19 @@ bool default_storage(const nnvm::NodeAttrs&, const int, mxnet::DispatchMode* mod
 
 mxnet::ExecType async_exec(const nnvm::NodeAttrs&) { return mxnet::ExecType::kAsync; }
 
+// A backward node's gradient, asked for only by a higher-order gradient
+// (autograd.grad(..., create_graph=True)): refused, naming the layer.
+std::vector<nnvm::NodeEntry> no_higher_order(const nnvm::ObjectPtr& node,
+                                             const std::vector<nnvm::NodeEntry>&) {
+  // The backward node's control dependency is its forward node (make_node),
+  // whose arguments name the layer.
+  const auto& forward = reinterpret_cast<const NodeLayout*>(node.get())->control_deps;
+  const std::string layer =
+      forward.empty() ? "?" : layer_name(node_params(forward[0]->attrs));
+  LOG(FATAL) << message("no_higher_order", {{"layer", layer}});
+  return {};
+}
+
 // A backward node's attributes, shared by both operators' backward nodes.
 nnvm::Op* register_backward(const char* name, int inputs, int outputs) {
   nnvm::Op* bwd = &dmlc::Registry<nnvm::Op>::Get()->__REGISTER_OR_GET__(name);
@@ -347,6 +360,7 @@ nnvm::Op* register_backward(const char* name, int inputs, int outputs) {
   set_attr<bool>(bwd, "TIsLayerOpBackward", true);
   set_attr<mxnet::FInferStorageType>(bwd, "FInferStorageType", OLD_ABI(default_storage));
   set_attr<mxnet::FExecType>(bwd, "FExecType", OLD_ABI(async_exec));
+  set_attr<nnvm::FGradient>(bwd, "FGradient", OLD_ABI(no_higher_order));
   return bwd;
 }
 
