@@ -11,7 +11,7 @@ from . import messages
 from .backends import make_backend
 from .backends.vector_graph import LOW_PRECISION
 from .cpu_contexts import check_cpu_contexts, is_naive_engine
-from .errors import SyncBatchNormError
+from .errors import SyncBatchNormError, ours_behind
 from .gpus import check_gpus
 from .groups import check_sync_groups
 from .hooks import deepcopy_as_default, refuse_copy_of_graph, traced_call, tracing_for_prediction
@@ -156,6 +156,18 @@ class SyncBatchNorm(nn.BatchNorm):
         # user's kvstore.
         memo[id(self._transport)] = self._transport
         return deepcopy_as_default(self, memo)
+
+    def _deferred_infer_shape(self, *args):
+        # Gluon wraps every failure of a deferred initialization in a
+        # ValueError about shapes; ours (a missing configure step, a wrong
+        # num_devices, a backend that cannot be had) are not about shapes.
+        try:
+            super(SyncBatchNorm, self)._deferred_infer_shape(*args)
+        except ValueError as exc:
+            ours = ours_behind(exc)
+            if ours is None:
+                raise
+            raise ours from None
 
     @property
     def num_devices(self):

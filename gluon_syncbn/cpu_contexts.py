@@ -23,6 +23,7 @@ need nothing.
 import os
 
 from .errors import SyncBatchNormError
+from .mxnet_private import resources_made
 
 __all__ = ['configure_cpu_contexts', 'configure_from_environment', 'check_cpu_contexts',
            'slots_for', 'is_naive_engine', 'on_cpu_path']
@@ -51,9 +52,8 @@ def configure_cpu_contexts(num_contexts, temp_slots=None, random_slots=None):
     """Size MXNet's shared CPU resources for SyncBatchNorm on ``num_contexts`` CPU contexts.
 
     Call it right after ``import gluon_syncbn``, before MXNet runs its first
-    operator or ``mx.random.seed`` (later, MXNet ignores the settings); setting
-    ``GLUON_SYNCBN_CPU_CONTEXTS=num_contexts`` in the environment does the same
-    at import. It sets ``MXNET_CPU_TEMP_COPY`` and
+    operator or ``mx.random.seed``; setting ``GLUON_SYNCBN_CPU_CONTEXTS=num_contexts``
+    in the environment does the same at import. It sets ``MXNET_CPU_TEMP_COPY`` and
     ``MXNET_CPU_PARALLEL_RAND_COPY``, never lowering a value already in the
     environment. Not needed on GPUs or on one context.
 
@@ -69,16 +69,38 @@ def configure_cpu_contexts(num_contexts, temp_slots=None, random_slots=None):
     -------
     dict
         The two variables as now set.
+
+    Raises
+    ------
+    SyncBatchNormError
+        Where MXNet made its CPU resources already (it reads the settings
+        once, then) and this call would raise one of them.
     """
     if isinstance(num_contexts, bool) or int(num_contexts) != num_contexts or num_contexts < 1:
         raise ValueError('configure_cpu_contexts: num_contexts must be a positive integer, '
                          'got %r' % (num_contexts,))
-    num_contexts = int(num_contexts)
+    return _configure(int(num_contexts), temp_slots, random_slots,
+                      'configure_cpu_contexts(%d)' % num_contexts)
+
+
+def _configure(num_contexts, temp_slots, random_slots, step):
+    """:func:`configure_cpu_contexts`, the user's ``step`` named in its error."""
     temp, rand = slots_for(num_contexts)
     wanted = {TEMP_SLOTS: temp_slots or temp, RANDOM_SLOTS: random_slots or rand}
-    if num_contexts > 1:
-        for name, value in wanted.items():
-            os.environ[name] = str(max(int(value), _int_env(name)))
+    changes = {name: int(value) for name, value in wanted.items()
+               if num_contexts > 1 and int(value) > _int_env(name)}
+    if changes and resources_made():
+        raise SyncBatchNormError(
+            '%s came after MXNet made its CPU resources (at mx.random.seed, or at the first '
+            'operator that needs temp space or random numbers): it reads %s once, then, so '
+            'these settings cannot take effect any more (MXNet keeps its defaults). Import '
+            'gluon_syncbn and call configure_cpu_contexts(%d) first, before mx.random.seed and '
+            'any operator (or set %s=%d in the environment and import gluon_syncbn first); '
+            'then start the program again.' % (
+                step, ' and '.join(sorted(changes)), num_contexts, CONTEXTS_VARIABLE,
+                num_contexts))
+    for name, value in changes.items():
+        os.environ[name] = str(value)
     _configured_contexts[0] = max(_configured_contexts[0], num_contexts)
     return {name: os.environ.get(name) for name in wanted}
 
@@ -89,10 +111,14 @@ def configure_from_environment():
     if not value:
         return
     try:
-        configure_cpu_contexts(int(value))
+        contexts = int(value)
+        if contexts < 1:
+            raise ValueError(value)
     except ValueError:
         raise ValueError('%s=%r: expected the number of CPU contexts, e.g. %s=4'
-                         % (CONTEXTS_VARIABLE, value, CONTEXTS_VARIABLE))
+                         % (CONTEXTS_VARIABLE, value, CONTEXTS_VARIABLE)) from None
+    _configure(contexts, None, None, 'import gluon_syncbn with %s=%d' % (CONTEXTS_VARIABLE,
+                                                                        contexts))
 
 
 def check_cpu_contexts(layer_name, devices):

@@ -40,13 +40,19 @@ def in_layer(layer, exc):
     return named
 
 
-def from_mxnet(exc):
-    """The SyncBatchNorm failure that MXNet's error ``exc``, raised while a
-    call was issued (a graph's shape inference, an operator MXNet refused),
-    carries, as our own exception; None if it carries none."""
+def ours_behind(exc):
+    """The SyncBatchNorm failure behind ``exc`` as our own exception, or None
+    (none, or ``exc`` is ours already): the ``SyncBatchNormError`` Gluon
+    wrapped in a ValueError about shapes (a deferred initialization), or the
+    text of one in MXNet's error (a graph's shape inference, an operator
+    MXNet refused, a custom operator's failure)."""
+    if isinstance(exc, SyncBatchNormError) or not isinstance(exc, (MXNetError, ValueError)):
+        return None
+    if isinstance(exc.__context__, SyncBatchNormError):
+        return exc.__context__
     text = str(exc)
     start = text.find("SyncBatchNorm '")
-    if isinstance(exc, SyncBatchNormError) or start < 0:
+    if start < 0:
         return None
     ours = SyncBatchNormError(text[start:].split('\n', 1)[0])
     ours.__cause__ = exc

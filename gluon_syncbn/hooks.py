@@ -33,7 +33,7 @@ import threading
 import mxnet as mx
 
 from . import messages
-from .errors import SyncBatchNormError, from_mxnet, last_failure, take_failures
+from .errors import SyncBatchNormError, last_failure, ours_behind, take_failures
 from .mxnet_private import FAILED_CALL_TEXT, dtype_name
 from .session import SESSION
 
@@ -405,8 +405,8 @@ def install_cached_op_hook(hybrid_block_class, session, is_training):
     def _call_cached_op(self, *args):
         try:
             return _run_cached_op(self, args)
-        except mx.base.MXNetError as exc:
-            ours = from_mxnet(exc)  # a layer's refusal, while the graph was issued
+        except (mx.base.MXNetError, ValueError) as exc:
+            ours = ours_behind(exc)  # a layer's refusal, while the graph was traced or issued
             if ours is None:
                 raise
             raise ours from exc
@@ -499,7 +499,7 @@ def _as_ours(exc, heads, session):
     layers synchronize, naming the layers ``heads`` were computed through
     (a graph run as a CachedOp does not show its operators: then every layer
     that synchronizes)."""
-    ours = from_mxnet(exc)
+    ours = ours_behind(exc)
     unnamed = ours is not None and "SyncBatchNorm '?'" in str(ours)
     if ours is not None and not unnamed:
         return ours

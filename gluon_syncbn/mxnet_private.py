@@ -165,7 +165,10 @@ MXNet's C++ registry (``native/mxnet_abi.h``, ``async_op.h``, ``exchange_op.h``)
 
 Engine settings (``cpu_contexts``)
     ``MXNET_CPU_TEMP_COPY`` and ``MXNET_CPU_PARALLEL_RAND_COPY`` are read once,
-    at MXNet's first operator; CPU contexts share those pools.
+    when MXNet makes its first resource manager (``mx.random.seed``, or the
+    first operator that needs temp space or random numbers); CPU contexts
+    share those pools. Whether that happened is read from libmxnet's guard of
+    their registry (:func:`resources_made`, an exported symbol).
 """
 import ctypes
 
@@ -223,6 +226,24 @@ def host_view(arr):
 
 # What MXNet's error says when fail_custom_call's operation fails.
 FAILED_CALL_TEXT = 'take operator contains indices out of bound'
+
+
+# The guard of the registry of MXNet's per-thread resource managers
+# (dmlc::ThreadLocalStore<ResourceManagerImpl>::Singleton()::inst), set when
+# the first one is made: MXNet reads MXNET_CPU_TEMP_COPY and
+# MXNET_CPU_PARALLEL_RAND_COPY then, and never again.
+_RESOURCES_MADE = ('_ZGVZN4dmlc16ThreadLocalStoreIN5mxnet8resource19ResourceManagerImplEE'
+                   '9SingletonEvE4inst')
+
+
+def resources_made():
+    """Whether MXNet has made its resources (temp space, random numbers):
+    ``mx.random.seed`` does, and so does the first operator that needs them.
+    None where this build does not tell."""
+    try:
+        return bool(ctypes.c_uint8.in_dll(_LIB, _RESOURCES_MADE).value)
+    except ValueError:  # no such symbol
+        return None
 
 
 def fail_custom_call(hold, probe, failure, lib=None):

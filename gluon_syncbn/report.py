@@ -54,7 +54,8 @@ def report(selftest=False):
     lib = native.load()
     status = native.status()
     lines.append('  %s' % (status['path'] if lib is not None
-                           else 'not available: %s' % status['why_not']))
+                           else 'not available: %s%s' % (
+                               status['why_not'], '. ' + status['fix'] if status['fix'] else '')))
     if selftest:
         for part in ('async', 'exchange'):
             lines.append('  self-test %s now: %s' % (part, native.run_selftest(part)[0]))

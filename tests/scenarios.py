@@ -1187,6 +1187,10 @@ def drop_in(hybridize=False, seed=0):
     with autograd.record():
         outs = [fixed(mx.nd.array(p, ctx=c)) for p, c in zip(split_batch(x, [2, 2]), ctxs)]
     autograd.backward(outs)
+    # MXNet's BatchNorm writes gamma without declaring it written (only the
+    # running statistics are mutable inputs), and so do ours: a reader waits
+    # for the call itself, for nn.BatchNorm's gamma alike.
+    mx.nd.waitall()
     gammas = [fixed.gamma.data(c).asnumpy().tolist() for c in ctxs]
 
     xs = [mx.nd.array(p, ctx=c) for p, c in zip(split_batch(x, [2, 2]), ctxs)]
@@ -1208,13 +1212,15 @@ def drop_in(hybridize=False, seed=0):
 
 
 @scenario
-def misconfigured(problem, hybridize=False):
-    """Errors raised before any synchronization: the message and how fast."""
+def misconfigured(problem, hybridize=False, deferred=False):
+    """Errors raised before any synchronization: the message and how fast
+    (``deferred``: the layer learns its channels at its first call, inside
+    Gluon's deferred initialization)."""
     ctxs = contexts(2)
     num_devices = 4 if problem == 'num_devices' else None
     sync_groups = [[0, 1], [2]] if problem == 'sync_groups' else None  # 3 devices, 2 here
     net = gluon.nn.HybridSequential()
-    net.add(SyncBatchNorm(in_channels=3, num_devices=num_devices, timeout=60,
+    net.add(SyncBatchNorm(in_channels=0 if deferred else 3, num_devices=num_devices, timeout=60,
                           sync_groups=sync_groups))
     net.initialize(ctx=ctxs)
     if hybridize:

@@ -96,7 +96,8 @@ from mxnet import autograd
 {configure}
 ctxs = [mx.cpu(i) for i in range({n})]
 net = mx.gluon.nn.HybridSequential()
-net.add(mx.gluon.nn.Conv2D(4, 3), gluon_syncbn.SyncBatchNorm(in_channels=4, timeout=100))
+net.add(mx.gluon.nn.Conv2D(4, 3), gluon_syncbn.SyncBatchNorm(in_channels={in_channels},
+                                                             timeout=100))
 net.initialize(ctx=ctxs)
 if {hybridize}:
     net.hybridize()
@@ -111,9 +112,18 @@ except gluon_syncbn.SyncBatchNormError as exc:
 '''
 
 
+def unconfigured(configure='', n=2, hybridize=False, in_channels=4):
+    return UNCONFIGURED.format(configure=configure, n=n, hybridize=hybridize,
+                               in_channels=in_channels)
+
+
+@pytest.mark.parametrize('in_channels', [4, 0], ids=['in_channels', 'deferred'])
 @pytest.mark.parametrize('hybridize', [False, True])
-def test_missing_step_fails_at_once_naming_the_line_to_add(hybridize):
-    out, seconds = python(UNCONFIGURED.format(configure='', n=2, hybridize=hybridize))
+def test_missing_step_fails_at_once_naming_the_line_to_add(hybridize, in_channels):
+    # Deferred: the check runs inside Gluon's deferred initialization, which
+    # wraps whatever fails there in a ValueError about shapes; the user must
+    # still get ours.
+    out, seconds = python(unconfigured(hybridize=hybridize, in_channels=in_channels))
     assert 'ERROR' in out.stdout, out.stdout + out.stderr[-2000:]
     message = out.stdout.split('ERROR', 1)[1]
     assert "SyncBatchNorm 'syncbatchnorm0'" in message
@@ -124,16 +134,55 @@ def test_missing_step_fails_at_once_naming_the_line_to_add(hybridize):
 
 
 def test_step_for_fewer_contexts_than_used_is_refused():
-    out, _ = python(UNCONFIGURED.format(configure='gluon_syncbn.configure_cpu_contexts(2)',
-                                        n=3, hybridize=False))
+    out, _ = python(unconfigured('gluon_syncbn.configure_cpu_contexts(2)', n=3,
+                                 in_channels=0))
     assert 'configured for 2 CPU contexts, but this layer synchronizes 3' in out.stdout, \
         out.stdout + out.stderr[-2000:]
     assert 'configure_cpu_contexts(3)' in out.stdout
 
 
+LATE = '''
+import os, gluon_syncbn, mxnet as mx
+from gluon_syncbn.mxnet_private import resources_made
+print('BEFORE', resources_made())
+gluon_syncbn.configure_cpu_contexts(2)     # in time
+mx.nd.ones((2, 2)).asnumpy()               # an operator needing no resources
+print('OPERATOR', resources_made())
+mx.random.seed(0)
+print('SEEDED', resources_made())
+gluon_syncbn.configure_cpu_contexts(2)     # nothing to change: accepted
+try:
+    gluon_syncbn.configure_cpu_contexts(4)
+    print('ACCEPTED')
+except gluon_syncbn.SyncBatchNormError as exc:
+    print('REFUSED', exc)
+print('SLOTS', os.environ.get("MXNET_CPU_TEMP_COPY"),
+      os.environ.get("MXNET_CPU_PARALLEL_RAND_COPY"))
+'''
+
+
+def test_configure_after_mxnet_made_its_resources_is_refused_and_sets_nothing():
+    # MXNet reads the slot variables once, when it makes its resources: a
+    # later call would set variables nothing reads, and the user would meet
+    # the shortage as a timeout, many steps later.
+    out, _ = python(LATE)
+    lines = dict(l.split(' ', 1) for l in out.stdout.splitlines() if ' ' in l)
+    assert lines.get('BEFORE') == 'False' and lines['OPERATOR'] == 'False', out.stderr[-2000:]
+    assert lines['SEEDED'] == 'True'
+    message = lines['REFUSED']
+    assert 'configure_cpu_contexts(4) came after MXNet made its CPU resources' in message
+    assert 'mx.random.seed' in message and 'GLUON_SYNCBN_CPU_CONTEXTS=4' in message
+    assert lines['SLOTS'] == '512 16'     # as the call in time left them
+    out, _ = python('import mxnet as mx\nmx.random.seed(0)\nimport gluon_syncbn\n',
+                    GLUON_SYNCBN_CPU_CONTEXTS='4')
+    assert out.returncode != 0
+    assert 'SyncBatchNormError: import gluon_syncbn with GLUON_SYNCBN_CPU_CONTEXTS=4 came ' \
+        'after MXNet made its CPU resources' in out.stderr, out.stderr[-2000:]
+
+
 def test_configured_step_trains():
-    out, _ = python(UNCONFIGURED.format(configure='gluon_syncbn.configure_cpu_contexts(3)',
-                                        n=3, hybridize=True))
+    out, _ = python(unconfigured('gluon_syncbn.configure_cpu_contexts(3)', n=3,
+                                 hybridize=True))
     assert 'NO ERROR' in out.stdout, out.stdout + out.stderr[-2000:]
 
 

@@ -86,9 +86,11 @@ def test_naive_engine_is_refused(hybridize):
     assert r['seconds'] < 5
 
 
+@pytest.mark.parametrize('deferred', [False, True])
 @pytest.mark.parametrize('hybridize', [False, True])
-def test_num_devices_larger_than_contexts_is_refused(hybridize):
-    r = run_scenario('misconfigured', timeout=120, problem='num_devices', hybridize=hybridize)
+def test_num_devices_larger_than_contexts_is_refused(hybridize, deferred):
+    r = run_scenario('misconfigured', timeout=120, problem='num_devices', hybridize=hybridize,
+                     deferred=deferred)
     assert r['type'] == 'SyncBatchNormError'
     assert 'num_devices=4' in r['message'] and '2 context(s)' in r['message']
     assert r['seconds'] < 5

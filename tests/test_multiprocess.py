@@ -136,13 +136,24 @@ def test_the_exchange_operator_over_dist_kvstore_matches_float64(workers, device
     assert_exact(code, output, results, workers, operator='exchange')
 
 
-def test_the_python_operator_across_processes_is_an_error_naming_the_fix():
-    # Across processes the native operators are required.
+@pytest.mark.parametrize('cause', ['python', 'cache'])
+def test_no_native_operator_across_processes_is_an_error_naming_the_fix(tmp_path, cause):
+    # Across processes the native operators are required: asked for the
+    # Python one, or where the library cannot be built (a cache under a file).
+    (tmp_path / 'file').write_text('')
+    env = PYTHON if cause == 'python' else {
+        'GLUON_SYNCBN_BACKEND': 'auto', 'GLUON_SYNCBN_CACHE': str(tmp_path / 'file' / 'cache')}
     kwargs = dict(backend='dist_sync', devices=1, sizes=[2, 2])
-    code, output, elapsed, _ = run_job(2, 'layer', kwargs, servers=1, deadline=60, env=PYTHON)
+    code, output, elapsed, _ = run_job(2, 'layer', kwargs, servers=1, deadline=60, env=env)
     assert code != 0
-    assert 'GLUON_SYNCBN_BACKEND=python, but across processes the native operators are ' \
-        'required. Unset GLUON_SYNCBN_BACKEND.' in output, output[-3000:]
+    expected = {
+        'python': 'GLUON_SYNCBN_BACKEND=python, but across processes the native operators '
+                  'are required. Unset GLUON_SYNCBN_BACKEND.',
+        'cache': 'across processes the native operators are required, but the native '
+                 'library is not available: its cache directory %s cannot be written '
+                 '(%s: File exists). Set GLUON_SYNCBN_CACHE to a directory you can write'
+                 % (tmp_path / 'file' / 'cache', tmp_path / 'file')}[cause]
+    assert expected in output, output[-3000:]
     assert elapsed < 40, elapsed
 
 

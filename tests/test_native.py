@@ -167,25 +167,49 @@ def test_room_for_engine_errors_leaves_the_users_errors_alone():
     assert 'gluon_syncbn' not in out.stdout + out.stderr.replace('gluon_syncbn/', '')
 
 
-def test_without_a_compiler_falls_back_with_one_warning(tmp_path):
-    out = python(TWO_DEVICE_STEP, GLUON_SYNCBN_CACHE=str(tmp_path), CXX='/nonexistent/c++')
+def unbuildable(tmp_path, cause):
+    """The environment where the library cannot be built, for ``cause``, and
+    the reason and fix the user must read."""
+    if cause == 'compiler':
+        return ({'GLUON_SYNCBN_CACHE': str(tmp_path), 'CXX': '/nonexistent/c++'},
+                "no C++ compiler: '/nonexistent/c++' was not found",
+                'Install a C++ compiler (g++, or set CXX to one)')
+    # A cache under a file: no directory can be made there, whoever runs it.
+    (tmp_path / 'file').write_text('')
+    root = str(tmp_path / 'file' / 'cache')
+    return ({'GLUON_SYNCBN_CACHE': root},
+            'its cache directory %s cannot be written (%s: File exists)' % (root, tmp_path / 'file'),
+            'Set GLUON_SYNCBN_CACHE to a directory you can write, or unset it for ')
+
+
+@pytest.mark.parametrize('cause', ['compiler', 'cache'])
+def test_without_a_build_falls_back_with_one_warning_saying_what_to_do(tmp_path, cause):
+    env, why, fix = unbuildable(tmp_path, cause)
+    out = python(TWO_DEVICE_STEP, **env)
     assert reported(out, 'OPERATOR') == 'python'
     assert float(reported(out, 'ERROR')) < 1e-5
     assert out.stderr.count('RuntimeWarning') == 1, out.stderr[-3000:]
-    assert "no C++ compiler: '/nonexistent/c++' was not found" in out.stderr
+    assert why in out.stderr and fix in out.stderr, out.stderr[-3000:]
+    assert out.stderr.count('Install a C++ compiler') == (cause == 'compiler')
     # Located at the user's call of the layer, not inside the library or MXNet.
     assert '<string>:15: RuntimeWarning' in out.stderr, out.stderr[-3000:]
     assert 'GLUON_SYNCBN_BACKEND=python to silence' in out.stderr
 
 
-@pytest.mark.parametrize('backend', ['async', 'exchange'])
-def test_asking_for_a_native_backend_without_a_compiler_is_an_error(tmp_path, backend):
-    out = python(TWO_DEVICE_STEP, GLUON_SYNCBN_CACHE=str(tmp_path), CXX='/nonexistent/c++',
-                 GLUON_SYNCBN_BACKEND=backend)
+@pytest.mark.parametrize('backend,cause,in_channels', [
+    ('async', 'compiler', 3), ('exchange', 'compiler', 3), ('async', 'cache', 0)])
+def test_asking_for_a_native_backend_without_a_build_is_an_error(tmp_path, backend, cause,
+                                                                 in_channels):
+    # in_channels=0: found inside Gluon's deferred initialization, which wraps
+    # what fails there in a ValueError about shapes; the user gets ours.
+    env, why, fix = unbuildable(tmp_path, cause)
+    out = python(TWO_DEVICE_STEP.replace('in_channels=3', 'in_channels=%d' % in_channels),
+                 GLUON_SYNCBN_BACKEND=backend, **env)
     assert out.returncode != 0
     assert "SyncBatchNormError: SyncBatchNorm 'syncbatchnorm0': GLUON_SYNCBN_BACKEND=%s, " \
-           'but the native library is not available: no C++ compiler' % backend \
+           'but the native library is not available: %s' % (backend, why) \
         in out.stderr, out.stderr[-3000:]
+    assert fix in out.stderr and 'Deferred' not in out.stderr, out.stderr[-3000:]
     assert 'RuntimeWarning' not in out.stderr, out.stderr[-2000:]
 
 

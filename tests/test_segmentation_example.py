@@ -1,5 +1,6 @@
 """The segmentation example: metrics by hand, the VOC loader on a generated
-folder, and a tiny training run (in a subprocess with a deadline)."""
+folder, a tiny training run (in a subprocess with a deadline), and bad flags
+stopped before anything is written."""
 import json
 import os
 import subprocess
@@ -37,6 +38,13 @@ def test_metric_accumulates_and_skips_absent_classes():
     assert m.get() == (1.0, 1.0)  # classes 2 and 3 never appear in truth or prediction
 
 
+def test_metric_refuses_a_score_over_no_pixels():
+    m = SegmentationMetric(4)
+    m.update(np.array([255, -1]), np.array([0, 1]))
+    with pytest.raises(ValueError, match='no labelled pixel'):
+        m.get()
+
+
 def test_synthetic_data_is_deterministic_and_labelled():
     a, b = SyntheticShapes(4, 32, seed=3), SyntheticShapes(4, 32, seed=3)
     x1, y1 = a[2]
@@ -47,21 +55,27 @@ def test_synthetic_data_is_deterministic_and_labelled():
     assert not (SyntheticShapes(4, 32, seed=4)[2][0] == x1).all()
 
 
-def test_voc_loader_reads_the_voc_layout(tmp_path):
+def make_voc(root, splits):
+    """A VOC folder: ``splits`` maps a list name to its image ids."""
     from PIL import Image
     for sub in ('JPEGImages', 'SegmentationClass', 'ImageSets/Segmentation'):
-        os.makedirs(str(tmp_path / sub))
-    ids = ['2007_000001', '2007_000002']
-    for i, name in enumerate(ids):
-        Image.fromarray(np.full((20, 30, 3), 40 * i, np.uint8)).save(
-            str(tmp_path / 'JPEGImages' / (name + '.jpg')))
-        label = np.zeros((20, 30), np.uint8)
-        label[5:15, 10:20] = 15 + i
-        label[0, :] = 255
-        img = Image.fromarray(label, mode='P')
-        img.putpalette([0, 0, 0] * 256)
-        img.save(str(tmp_path / 'SegmentationClass' / (name + '.png')))
-    (tmp_path / 'ImageSets' / 'Segmentation' / 'train.txt').write_text('\n'.join(ids) + '\n')
+        os.makedirs(str(root / sub), exist_ok=True)
+    for split, ids in splits.items():
+        for i, name in enumerate(ids):
+            Image.fromarray(np.full((20, 30, 3), 40 * i, np.uint8)).save(
+                str(root / 'JPEGImages' / (name + '.jpg')))
+            label = np.zeros((20, 30), np.uint8)
+            label[5:15, 10:20] = 15 + i
+            label[0, :] = 255
+            img = Image.fromarray(label, mode='P')
+            img.putpalette([0, 0, 0] * 256)
+            img.save(str(root / 'SegmentationClass' / (name + '.png')))
+        (root / 'ImageSets' / 'Segmentation' / (split + '.txt')).write_text(
+            '\n'.join(ids) + '\n')
+
+
+def test_voc_loader_reads_the_voc_layout(tmp_path):
+    make_voc(tmp_path, {'train': ['2007_000001', '2007_000002']})
     ds = VOCSegmentation(str(tmp_path), 'train', crop_size=16)
     assert len(ds) == 2 and ds.num_classes == 21
     image, label = ds[1]
@@ -69,6 +83,10 @@ def test_voc_loader_reads_the_voc_layout(tmp_path):
     assert set(np.unique(label)) == {0, 16, 255}
     with pytest.raises(FileNotFoundError, match='VOC folder'):
         VOCSegmentation(str(tmp_path), 'missing')
+    # a listed image without its files stops the loader when it is made, not mid-epoch
+    os.remove(str(tmp_path / 'SegmentationClass' / '2007_000002.png'))
+    with pytest.raises(FileNotFoundError, match=r'1 of the 2 images .* \(first: 2007_000002\)'):
+        VOCSegmentation(str(tmp_path), 'train')
 
 
 def run_train(args, timeout=300):
@@ -78,20 +96,33 @@ def run_train(args, timeout=300):
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def test_tiny_training_run_learns_and_checkpoints_round_trip(tmp_path):
+def labelled_pixels(dataset):
+    return sum(int(((label != IGNORE_LABEL) & (label >= 0)).sum())
+               for _, label in (dataset[i] for i in range(len(dataset))))
+
+
+def test_tiny_training_run_learns_and_scores_its_saved_checkpoint(tmp_path):
+    """nn.BatchNorm on 2 devices: the logged scores are the saved checkpoint's
+    on one device (its running statistics are the devices' mean), over all 17
+    validation images (the last batch's one image on one device); --keep 2."""
     save = str(tmp_path / 'run')
-    common = ['--train-size', '32', '--val-size', '16', '--crop-size', '32',
-              '--num-devices', '2', '--batch-size', '4', '--save-dir', save]
-    result = run_train(common + ['--epochs', '3', '--aux'])
+    common = ['--train-size', '32', '--val-size', '17', '--crop-size', '32', '--batch-size', '4',
+              '--save-dir', save, '--no-syncbn', '--aux']
+    result = run_train(common + ['--num-devices', '2', '--epochs', '3', '--keep', '2'])
     assert result['loss'][-1] < result['loss'][0]
-    for name in ('epoch_0003.params', 'epoch_0003.states', 'history.json', 'train.log',
-                 'curves.png', 'predictions.png'):
+    assert result['val_images'] == 17
+    assert result['val_pixels'] == labelled_pixels(SyntheticShapes(17, 32, seed=1))
+    for name in ('epoch_0002.params', 'epoch_0003.params', 'epoch_0003.states',
+                 'epoch_0003.json', 'history.json', 'train.log', 'curves.png',
+                 'predictions.png'):
         assert os.path.isfile(os.path.join(save, name)), name
+    assert not [f for f in os.listdir(save) if f.startswith('epoch_0001')]
     ckpt = os.path.join(save, 'epoch_0003.params')
-    evaluated = run_train(common + ['--aux', '--eval', '--resume', ckpt])
-    assert evaluated['miou'] == pytest.approx(result['miou'], abs=1e-9)
-    resumed = run_train(common + ['--epochs', '4', '--aux', '--no-figures', '--resume',
-                                  os.path.join(save, 'epoch_0002.params')])
+    evaluated = run_train(common + ['--num-devices', '1', '--eval', '--resume', ckpt])
+    assert (evaluated['pixacc'], evaluated['miou']) == (result['pixacc'], result['miou'])
+    assert evaluated['images'] == 17
+    resumed = run_train(common + ['--num-devices', '2', '--epochs', '4', '--no-figures',
+                                  '--resume', os.path.join(save, 'epoch_0002.params')])
     assert len(resumed['loss']) == 4   # epochs 3 and 4 appended to the saved history
 
 
@@ -106,6 +137,9 @@ def test_precise_bn_before_each_evaluation(tmp_path):
     assert 0 <= result['miou_before_precise_bn'] <= 1, result
     history = json.load(open(os.path.join(save, 'history.json')))
     assert len(history['miou_before_precise_bn']) == 2, history
+    # --keep 1 (the default): the last epoch's files only
+    assert sorted(f for f in os.listdir(save) if f.startswith('epoch_')) == [
+        'epoch_0002.json', 'epoch_0002.params', 'epoch_0002.states']
     evaluated = run_train(common + ['--eval', '--resume', os.path.join(save, 'epoch_0002.params')])
     assert evaluated['miou'] == pytest.approx(result['miou'], abs=1e-9)
 
@@ -125,3 +159,111 @@ def test_missing_dependency_stops_before_training(tmp_path, module, package, fla
     assert 'missing %s' % package in out.stderr, out.stderr[-2000:]
     assert 'pip install -e ".[examples]"' in out.stderr
     assert not os.path.exists(save)            # stopped before training or logging began
+
+
+# Runs in one process: each bad flag through train.parse_args (and, for the
+# checkpoint, train.train), the messages printed as JSON; then --gpus 0 through
+# the script itself, whose exit is the process's.
+BAD_INPUTS = r'''
+import json, runpy, sys
+sys.path.insert(0, %(dir)r)
+import mxnet as mx
+import train
+from data import SyntheticShapes
+
+def stop(call):
+    try:
+        call()
+    except SystemExit as exc:
+        return str(exc.code)
+    return None
+
+out = {}
+for name, argv in %(cases)s:
+    out[name] = stop(lambda: train.parse_args(argv))
+# A machine with 2 GPUs and MXNet's CUDA build, as MXNet would report it.
+features, count = mx.runtime.Features.is_enabled, mx.context.num_gpus
+mx.runtime.Features.is_enabled = lambda self, name: name == 'CUDA' or features(self, name)
+mx.context.num_gpus = lambda: 2
+for name, argv in %(gpu_cases)s:
+    out[name] = stop(lambda: train.parse_args(argv))
+mx.runtime.Features.is_enabled, mx.context.num_gpus = features, count
+out['checkpoint'] = stop(lambda: train.train(train.parse_args(%(checkpoint)s)))
+out['train_mode'] = stop(lambda: train.evaluate(
+    None, SyntheticShapes(9, 8), 4, [mx.cpu(0), mx.cpu(1)], 4, train_mode=True))
+print(json.dumps(out))
+sys.stdout.flush()
+sys.argv = [%(train)r, '--gpus', '0'] + %(save)s
+runpy.run_path(%(train)r, run_name='__main__')
+'''
+
+
+def test_bad_inputs_stop_before_anything_is_written(tmp_path):
+    """Each bad flag: one line naming the problem and the fix, no traceback,
+    no save directory; checked before MXNet runs an operator."""
+    save = ['--save-dir', str(tmp_path / 'run')]
+    missing = str(tmp_path / 'missing.params')
+    garbage = tmp_path / 'garbage.params'
+    garbage.write_text('not a parameter file')
+    done = tmp_path / 'done'
+    done.mkdir()
+    (done / 'epoch_0003.params').write_text('')
+    (done / 'epoch_0003.json').write_text(json.dumps({'epoch': 3, 'history': {}}))
+    make_voc(tmp_path / 'voc', {'train': ['a', 'b'], 'val': ['c']})
+    make_voc(tmp_path / 'voc_nolist', {'val': ['c']})
+    make_voc(tmp_path / 'voc_hole', {'train': ['a', 'b'], 'val': ['c']})
+    os.remove(str(tmp_path / 'voc_hole' / 'JPEGImages' / 'b.jpg'))
+    voc = ['--dataset', 'voc', '--no-figures', '--crop-size', '8', '--data-root']
+    expected = {   # name: (flags, what the line must say)
+        'cpu_build': (['--gpus', '0'], ['this MXNet 1.9.1 is the CPU build',
+                                        'pip install -e ".[gpu]"', 'leave out --gpus']),
+        'gpus_syntax': (['--gpus', '0;1'], ['give distinct GPU numbers', '--gpus 0,1,2,3']),
+        'resume': (['--resume', missing], ['--resume %s: no such file' % missing]),
+        'pretrained': (['--pretrained', missing], ['--pretrained %s: no such file' % missing]),
+        'eval': (['--eval'], ['--eval needs a checkpoint', 'add --resume']),
+        'nothing_left': (['--resume', str(done / 'epoch_0003.params'), '--epochs', '3'],
+                         ['ends epoch 3', 'give --epochs 4 or more']),
+        'voc_no_root': (['--dataset', 'voc'], ['--dataset voc needs --data-root']),
+        'voc_wrong_root': (voc + ['/wrong'], ['--data-root /wrong: not a folder',
+                                              'give the VOC2012 folder']),
+        'voc_no_list': (voc + [str(tmp_path / 'voc_nolist')], ['no ', 'train.txt',
+                                                               'must be a VOC folder']),
+        'voc_hole': (voc + [str(tmp_path / 'voc_hole')], ['1 of the 2 images', '(first: b)']),
+        'voc_small': (voc + [str(tmp_path / 'voc')], ['2 training images make no batch of 8',
+                                                     'smaller --batch-size']),
+        'batch_zero': (['--batch-size', '0'], ['--batch-size 0: give 1 or more']),
+        'batch_uneven': (['--batch-size', '6'], ['over 4 devices: give a multiple of 4']),
+        'devices_zero': (['--num-devices', '0'], ['--num-devices 0: give at least 1']),
+        'epochs_zero': (['--epochs', '0'], ['--epochs 0: give 1 or more']),
+        'keep': (['--keep', '-1'], ['--keep -1: give 0 or more']),
+        'no_train_batch': (['--train-size', '4'], ['4 training images make no batch of 8',
+                                                   'give --train-size 8 or more']),
+        'no_val': (['--val-size', '0'], ['no validation image', 'give --val-size 1 or more']),
+        'precise_bn': (['--precise-bn', '9', '--train-size', '64'],
+                       ['only 8 training batches', 'give --precise-bn 8 or less']),
+    }
+    gpu_expected = {
+        'gpu_absent': (['--gpus', '0,3'], ['MXNet sees 2 GPU(s) (0-1), not 3']),
+        'gpu_uneven': (['--gpus', '0,1', '--batch-size', '3'], ['over 2 devices']),
+    }
+    code = BAD_INPUTS % {
+        'dir': os.path.dirname(TRAIN), 'train': TRAIN, 'save': save,
+        'cases': [(k, v[0] + save) for k, v in expected.items()],
+        'gpu_cases': [(k, v[0] + save) for k, v in gpu_expected.items()],
+        'checkpoint': ['--resume', str(garbage), '--num-devices', '2', '--epochs', '1'] + save}
+    out = run_python(code, timeout=120)
+    messages = json.loads(out.stdout.strip().splitlines()[-1])
+    expected.update(gpu_expected)
+    expected['checkpoint'] = (None, ['%s does not fit this network' % garbage,
+                                     'Invalid NDArray file format', 'same --dataset and --aux'])
+    expected['train_mode'] = (None, ['a batch of 1 validation images',
+                                     'leaves 0 or at least 2 in the last batch'])
+    for name, (_, says) in expected.items():
+        line = messages[name]
+        assert line and line.startswith('train.py: ') and '\n' not in line, (name, line)
+        for words in says:
+            assert words in line, (name, words, line)
+    # the script itself: exit status 1, the one line on stderr and nothing else
+    assert out.returncode == 1, out.stderr[-2000:]
+    assert out.stderr.strip() == messages['cpu_build'], out.stderr[-2000:]
+    assert not os.path.exists(save[1])

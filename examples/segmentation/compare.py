@@ -4,11 +4,15 @@ once with nn.BatchNorm and once with SyncBatchNorm (same seed, data and budget).
     python examples/segmentation/compare.py [--epochs 6] [--precise-bn 40]
                                             [--save-dir runs/compare]
 
-Reports validation pixAcc/mIoU in eval mode (running statistics, how the model is
-deployed) and in train mode (batch statistics), whose difference is the eval-mode
-gap; with ``--precise-bn N``, eval mode after gluon_syncbn.update_bn_stats over N
-training batches, and before it. Writes compare.json and compare.md into the save
-directory.
+Reports validation pixAcc/mIoU, over all 48 validation images, of each run's
+saved checkpoint in eval mode, loaded as it is deployed (train.py's scores:
+the checkpoint's running statistics, for nn.BatchNorm the mean over the
+devices that ``save_parameters`` stores), and of the same checkpoint in train
+mode (the statistics of each device's slice of each batch, SyncBatchNorm's of
+the whole batch, and Dropout on, as in training), whose difference is the
+eval-mode gap; with ``--precise-bn N``, eval mode after
+gluon_syncbn.update_bn_stats over N training batches, and before it. Writes
+compare.json and compare.md into the save directory.
 """
 import argparse
 import json
@@ -19,28 +23,33 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
+def check(out, what):
+    """Stop with the subprocess's last words if it failed."""
+    if out.returncode != 0:
+        raise SystemExit('compare.py: %s failed (exit %d):\n%s%s' % (
+            what, out.returncode, out.stdout[-2000:], out.stderr[-2000:]))
+
+
 def run(norm_flag, args, save_dir):
     cmd = [sys.executable, os.path.join(HERE, 'train.py'), norm_flag, '--num-devices', '4',
            '--batch-size', '4', '--epochs', str(args.epochs), '--seed', str(args.seed),
            '--save-dir', save_dir, '--no-figures', '--precise-bn', str(args.precise_bn)]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
-    if out.returncode != 0:
-        raise SystemExit(out.stdout[-2000:] + out.stderr[-2000:])
+    check(out, ' '.join(cmd[1:]))
     result = json.loads(out.stdout.strip().splitlines()[-1])
     history = json.load(open(os.path.join(save_dir, 'history.json')))
     result['history'] = history['miou']
     result['history_before'] = history.get('miou_before_precise_bn', [])
-    # evaluate the last checkpoint in train mode too (batch statistics)
-    ckpt = os.path.join(save_dir, 'epoch_%04d.params' % args.epochs)
+    # the saved checkpoint in train mode (batch statistics), on the training devices
     code = ('import sys, json; sys.path.insert(0, %r); import train; '
-            'a = train.parse_args(%r); ctxs = train.contexts(a); '
-            'tr, va = train.datasets(a); _, vl = train.loaders(a, tr, va, len(ctxs)); '
-            'net = train.build(a, tr.num_classes, ctxs); '
-            'print(json.dumps(train.evaluate(net, vl, ctxs, tr.num_classes, train_mode=True)))'
-            % (HERE, [norm_flag, '--num-devices', '4', '--batch-size', '4', '--resume', ckpt,
-                      '--eval']))
+            'a = train.parse_args(%r); ctxs = train.contexts(a); _, va = train.datasets(a); '
+            'net = train.build(a, va.num_classes, ctxs); print(json.dumps(train.evaluate('
+            'net, va, a.batch_size, ctxs, va.num_classes, train_mode=True)))'
+            % (HERE, [norm_flag, '--num-devices', '4', '--batch-size', '4', '--seed',
+                      str(args.seed), '--resume', result['checkpoint'], '--eval']))
     out = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True,
                          timeout=args.timeout)
+    check(out, 'the train-mode evaluation of %s' % result['checkpoint'])
     result['train_mode'] = json.loads(out.stdout.strip().splitlines()[-1])
     return result
 
@@ -60,17 +69,22 @@ def main():
     def median(values):
         return sorted(values)[len(values) // 2]
 
-    head = ['1 image/device, 4 CPU contexts, %d epochs' % args.epochs, 'val mIoU (eval mode)']
+    images = {r['val_images'] for r in results.values()} | {
+        r['train_mode']['images'] for r in results.values()}
+    head = ['1 image/device, 4 CPU contexts, %d epochs, %s val images'
+            % (args.epochs, '/'.join(map(str, sorted(images)))),
+            'val mIoU, saved checkpoint (eval mode)']
     if args.precise_bn:
-        head += ['val mIoU (eval mode) after precise BN over %d batches' % args.precise_bn]
+        head += ['val mIoU, saved checkpoint (eval mode) after precise BN over %d batches'
+                 % args.precise_bn]
     head += ['val pixAcc (eval mode%s)' % (', after' if args.precise_bn else ''),
-             'val mIoU (train mode)', 'eval-mode gap', 'training loss',
+             'val mIoU, saved checkpoint (train mode)', 'eval-mode gap', 'training loss',
              'seconds per epoch (median)']
     if args.precise_bn:
         head += ['seconds of precise BN (median)']
     lines = ['| %s |' % ' | '.join(head), '|' + '---|' * len(head)]
     for name, r in results.items():
-        tm = r['train_mode'][1]
+        tm = r['train_mode']['miou']
         row = [name, '%.3f' % r.get('miou_before_precise_bn', r['miou'])]
         if args.precise_bn:
             row += ['%.3f' % r['miou']]

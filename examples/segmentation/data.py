@@ -78,21 +78,36 @@ class VOCSegmentation(object):
     split : str
         'train', 'val' or any list file in ImageSets/Segmentation.
     crop_size : int
+
+    Raises
+    ------
+    FileNotFoundError
+        If the split's list file, or an image or label it lists, is missing.
     """
 
     num_classes = 21
 
     def __init__(self, root, split='train', crop_size=256):
         from PIL import Image  # noqa: F401  (fail early if Pillow is missing)
+        layout = ('--data-root must be a VOC folder with JPEGImages/, SegmentationClass/ '
+                  'and ImageSets/Segmentation/')
         list_file = os.path.join(root, 'ImageSets', 'Segmentation', split + '.txt')
         if not os.path.isfile(list_file):
-            raise FileNotFoundError(
-                'no %s: --data-root must be a VOC folder with JPEGImages/, '
-                'SegmentationClass/ and ImageSets/Segmentation/' % list_file)
+            raise FileNotFoundError('no %s: %s' % (list_file, layout))
         with open(list_file) as f:
             self.ids = [line.strip() for line in f if line.strip()]
         self.root = root
         self.crop_size = crop_size
+        # Checked here, not when a batch is read: a missing file would
+        # otherwise stop training at the first epoch that draws it.
+        for folder, ext in (('JPEGImages', '.jpg'), ('SegmentationClass', '.png')):
+            missing = [name for name in self.ids
+                       if not os.path.isfile(os.path.join(root, folder, name + ext))]
+            if missing:
+                raise FileNotFoundError(
+                    '%d of the %d images in %s have no %s (first: %s): %s'
+                    % (len(missing), len(self.ids), list_file,
+                       os.path.join(root, folder, '<id>' + ext), missing[0], layout))
 
     def __len__(self):
         return len(self.ids)

@@ -32,11 +32,18 @@ class SegmentationMetric(object):
 
     def get(self):
         """``(pixel accuracy, mean IoU)``; classes absent from labels and
-        predictions do not count toward the mean."""
+        predictions do not count toward the mean.
+
+        Raises
+        ------
+        ValueError
+            If no labelled pixel was counted: there is no score to report.
+        """
         c = self.confusion.astype(np.float64)
         total = c.sum()
-        pixacc = np.trace(c) / total if total else 0.0
+        if not total:
+            raise ValueError('no labelled pixel counted')
         union = c.sum(0) + c.sum(1) - np.diag(c)
         present = union > 0
         iou = np.diag(c)[present] / union[present]
-        return float(pixacc), float(iou.mean()) if iou.size else 0.0
+        return float(np.trace(c) / total), float(iou.mean())

@@ -39,7 +39,6 @@ BACKENDS = ('auto', 'async', 'exchange', 'python')
 RENAMED_VARIABLE = 'GLUON_SYNCBN_OPERATOR'  # its values were auto, native and python
 FALLBACK = ('its layers run the Python operator (the same results, about 10-40x the host '
             'cost per call)')
-COMPILER_FIX = 'Install a C++ compiler (g++, or set CXX to one)'
 
 # A backend and why it was chosen (or, with backend None, why none can run).
 Choice = collections.namedtuple('Choice', 'backend reason')
@@ -84,8 +83,11 @@ def _why_not(name, devices, on_cpu, transport):
 
 
 def _fix():
-    """' <what to do>.' where the library did not build, else ''."""
-    return ' %s.' % COMPILER_FIX if native.status()['why_not'] else ''
+    """' <what to do>.' where the library did not build for a reason that has
+    a fix (a missing compiler, a cache directory that cannot be written),
+    else ''."""
+    fix = native.status()['fix']
+    return ' %s.' % fix if fix else ''
 
 
 def choose(devices, transport, requested=None):
@@ -112,9 +114,11 @@ def choose(devices, transport, requested=None):
         return Choice(None, 'across processes the native operators are required, but %s.%s'
                       % (why, _fix()))
     if requested != 'auto':
-        return Choice(None, '%s=%s, but %s. Unset %s to let the library choose (it falls '
-                      'back to the Python operator).' % (BACKEND_VARIABLE, requested, why,
-                                                        BACKEND_VARIABLE))
+        fix = native.status()['fix']
+        return Choice(None, '%s=%s, but %s. %s %s to let the library choose (it falls back '
+                      'to the Python operator).' % (
+                          BACKEND_VARIABLE, requested, why,
+                          fix + ', or unset' if fix else 'Unset', BACKEND_VARIABLE))
     return Choice('python', why)
 
 

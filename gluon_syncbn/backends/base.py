@@ -15,7 +15,8 @@ LAST_BATCH_HINT = (
 CPU_SLOTS_HINT = (
     " If every device was fed: CPU contexts share MXNet's temp-space and random-number "
     "slots, and a network with many Dropout (or other) layers between the devices' calls "
-    "can use them all (now MXNET_CPU_PARALLEL_RAND_COPY=%s, MXNET_CPU_TEMP_COPY=%s): pass "
+    "can use them all (the environment has MXNET_CPU_PARALLEL_RAND_COPY=%s, "
+    "MXNET_CPU_TEMP_COPY=%s, which MXNet reads when it makes its resources): pass "
     "larger random_slots= / temp_slots= to gluon_syncbn.configure_cpu_contexts() at the "
     "start of the program.")
 

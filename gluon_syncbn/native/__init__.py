@@ -70,12 +70,17 @@ BUILD_SECONDS = 300
 SELFTEST_SECONDS = 120
 
 # What load() and the operators' registration found (see _once).
-_state = {'path': None, 'digest': None, 'why_not': None, 'verdicts': {}}
+_state = {'path': None, 'digest': None, 'why_not': None, 'fix': '', 'verdicts': {}}
 _lock = threading.RLock()
 
 
 class NativeUnavailable(Exception):
-    """The native operator cannot be built or loaded here; the message says why."""
+    """The native operator cannot be built or loaded here; the message says
+    why, and ``fix`` (where there is one) what to do."""
+
+    def __init__(self, why, fix=''):
+        super(NativeUnavailable, self).__init__(why)
+        self.fix = fix
 
 
 def _mxnet_dir():
@@ -139,12 +144,21 @@ def build(path, cache_root):
     mx_dir, _ = _mxnet_dir()
     header = os.path.join(mx_dir, 'include', 'mxnet', 'c_api.h')
     if not os.path.exists(header):
-        raise NativeUnavailable('the mxnet package has no C API headers (%s)' % header)
+        raise NativeUnavailable('the mxnet package has no C API headers (%s)' % header,
+                                fix="Reinstall MXNet's wheel, which ships them")
     compiler = os.environ.get('CXX') or 'g++'
     if shutil.which(compiler) is None:
-        raise NativeUnavailable('no C++ compiler: %r was not found (set CXX to one)' % compiler)
-    cache.make_directories(os.path.dirname(path), cache_root)
-    fd, tmp = tempfile.mkstemp(suffix='.so', dir=os.path.dirname(path))
+        raise NativeUnavailable('no C++ compiler: %r was not found' % compiler,
+                                fix='Install a C++ compiler (g++, or set CXX to one)')
+    try:
+        cache.make_directories(os.path.dirname(path), cache_root)
+        fd, tmp = tempfile.mkstemp(suffix='.so', dir=os.path.dirname(path))
+    except OSError as exc:
+        raise NativeUnavailable(
+            'its cache directory %s cannot be written (%s%s)' % (
+                cache_root, exc.filename + ': ' if exc.filename else '', exc.strerror or exc),
+            fix='Set %s to a directory you can write, or unset it for %s'
+                % (CACHE_VARIABLE, cache.default_root()))
     os.close(fd)
     include = os.path.join(mx_dir, 'include')
     command = [compiler] + _flags() + ['-DMXNET_USE_MKLDNN=%d' % _mkldnn(), '-I' + include,
@@ -193,6 +207,7 @@ def _load():
         return lib
     except (NativeUnavailable, OSError) as exc:
         _state['why_not'] = str(exc)
+        _state['fix'] = getattr(exc, 'fix', '')
         return None
 
 
@@ -265,9 +280,10 @@ def exchange_operator():
 
 
 def status():
-    """What was found so far: ``{'path', 'why_not', 'verdicts'}``; a
+    """What was found so far: ``{'path', 'why_not', 'fix', 'verdicts'}``;
+    ``fix`` is what to do about ``why_not`` ('' where nothing can be done), a
     verdict per self-test run (``'ok'`` or why it failed)."""
-    return {'path': _state['path'], 'why_not': _state['why_not'],
+    return {'path': _state['path'], 'why_not': _state['why_not'], 'fix': _state['fix'],
             'verdicts': dict(_state['verdicts'])}
 
 
