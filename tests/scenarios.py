@@ -869,9 +869,19 @@ def _hybridize(net, hybridize):
                       static_shape=hybridize == 'static')
 
 
-# The first layer's gamma and beta in _DelayedNet runs: the second layer's
-# input is then as far from zero as its output.
+# The first layer's gamma and beta in _DelayedNet and _BNStack runs: the
+# second layer's input is then as far from zero as its output.
 _GAMMA1, _BETA1 = np.array([0.5, 1.0, 2.0]), np.array([1.0, 2.0, 3.0])
+
+
+def _ready(net, ctxs, hybridize=False):
+    """``net`` (a _DelayedNet or _BNStack) initialized on ``ctxs``, its first
+    layer's gamma and beta _GAMMA1 and _BETA1, hybridized as ``_hybridize``."""
+    net.initialize(ctx=ctxs)
+    net.bn1.gamma.set_data(mx.nd.array(_GAMMA1))
+    net.bn1.beta.set_data(mx.nd.array(_BETA1))
+    _hybridize(net, hybridize)
+    return net
 
 
 def _two_layers_float64(x):
@@ -899,11 +909,7 @@ def aborted_then_exact(hybridize='static', cause='user_code', aborts=1, steps=4,
     (``gluon_syncbn.reset()`` there)."""
     rng = np.random.RandomState(seed)
     ctxs = contexts(num_devices)
-    net = _DelayedNet(timeout_seconds)
-    net.initialize(ctx=ctxs)
-    net.bn1.gamma.set_data(mx.nd.array(_GAMMA1))
-    net.bn1.beta.set_data(mx.nd.array(_BETA1))
-    _hybridize(net, hybridize)
+    net = _ready(_DelayedNet(timeout_seconds), ctxs, hybridize)
     slows = [mx.nd.ones((delay, delay), ctx=c) for c in ctxs]
     shape = (num_devices, 3, 4, 4)
     expected_running = [(np.zeros(3), np.ones(3)), (np.zeros(3), np.ones(3))]
@@ -1004,11 +1010,7 @@ def predict_in_step(pattern='targets', hybridize='static', steps=4, num_devices=
     and the discriminator's predictions. Also the seconds all that took."""
     rng = np.random.RandomState(seed)
     ctxs = contexts(num_devices)
-    net = _BNStack(timeout_seconds)
-    net.initialize(ctx=ctxs)
-    net.bn1.gamma.set_data(mx.nd.array(_GAMMA1))
-    net.bn1.beta.set_data(mx.nd.array(_BETA1))
-    _hybridize(net, hybridize)
+    net = _ready(_BNStack(timeout_seconds), ctxs, hybridize)
     running = [(np.zeros(3), np.ones(3)), (np.zeros(3), np.ones(3))]
     shape = (2 * num_devices, 3, 4, 4)
     errs = WorstErrors()
@@ -1072,11 +1074,7 @@ def new_device_set(change='reset_ctx', before=4, after=2, hybridize=True, steps=
     the message of a call on a context outside the new ones (None if it
     synchronized)."""
     rng = np.random.RandomState(seed)
-    net = _BNStack(timeout_seconds)
-    net.initialize(ctx=contexts(before))
-    net.bn1.gamma.set_data(mx.nd.array(_GAMMA1))
-    net.bn1.beta.set_data(mx.nd.array(_BETA1))
-    _hybridize(net, hybridize)
+    net = _ready(_BNStack(timeout_seconds), contexts(before), hybridize)
     running = [(np.zeros(3), np.ones(3)), (np.zeros(3), np.ones(3))]
     errs = WorstErrors()
 
@@ -1135,10 +1133,7 @@ def drop_in(hybridize=False, seed=0):
     import pickle
     rng = np.random.RandomState(seed)
     ctxs = contexts(2)
-    net = _BNStack(30.0)
-    net.initialize(ctx=ctxs)
-    net.bn1.gamma.set_data(mx.nd.array(_GAMMA1))
-    net.bn1.beta.set_data(mx.nd.array(_BETA1))
+    net = _ready(_BNStack(30.0), ctxs)
     errs = WorstErrors()
     running = {}
 

@@ -56,6 +56,10 @@ def fresh_engine(monkeypatch):
     for name in SLOT_VARIABLES:
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setattr(engine, '_configured_contexts', [0])
+    # Earlier tests in this process made MXNet's resources, after which a
+    # configure that raises a setting is refused; these tests are about the
+    # bookkeeping, and the refusal has its own test in a fresh process.
+    monkeypatch.setattr(engine, 'resources_made', lambda: False)
 
 
 def test_configure_sizes_from_contexts_and_never_lowers(fresh_engine, monkeypatch):

@@ -409,7 +409,7 @@ std::string start_remote_locked(Layer& g, const Key& key, const std::shared_ptr<
   std::vector<double> sums = ex->local;
   if (dir == 0) {
     ex->round = g.shift.empty() ? 1 : 2;
-    if (ex->round == 2) shift_forward(&sums, 0, g.num_sync_groups, g.shift);
+    if (ex->round == 2) shift_forward(&sums, 0, g.num_sync_groups, g.shift, -1);
   }
   const auto checks = own_checks(key, ex->values[0].size(), ex->dtypes[0]);
   std::vector<double> payload(check_rows_size(*g.transport), 0.0);
@@ -494,7 +494,7 @@ void complete_remote(const std::shared_ptr<Layer>& g, const Key& key,
         failure = start_remote_locked(*g, key, ex);
         again = failure.empty();
       } else {
-        unshift_forward(&ex->result, 0, rows, g->shift);
+        shift_forward(&ex->result, 0, rows, g->shift, +1);
         g->shift = forward_means(ex->result, 0, rows, channels);
       }
     }

@@ -100,30 +100,18 @@ std::string layer_name_of(const double* row) {
 // the layer's previous call, as [n, sum (x - s), sum (x - s)^2]: close to
 // the mean, its sums lose nothing where the engine sums in float32 (MXNet
 // 1.9.1's kvstore server does, where its multi_precision_ flag is left
-// uninitialized). `shift` holds C numbers per row.
+// uninitialized). `shift` holds C numbers per row; `sign` -1 makes the
+// rows that travel, +1 turns them back: moving the data by d = sign * s,
+// [n, s1, s2] becomes [n, s1 + n d, s2 + 2 d s1 + n d^2].
 void shift_forward(std::vector<double>* rows, size_t begin, size_t num_rows,
-                   const std::vector<double>& shift) {
+                   const std::vector<double>& shift, int sign) {
   const size_t C = shift.size() / num_rows, size = 1 + 2 * C;
   for (size_t r = 0; r < num_rows; ++r) {
     double* v = rows->data() + begin + r * size;
     for (size_t c = 0; c < C; ++c) {
-      const double s = shift[r * C + c], n = v[0], s1 = v[1 + c];
-      v[1 + c] = s1 - n * s;
-      v[1 + C + c] = v[1 + C + c] - 2 * s * s1 + n * s * s;
-    }
-  }
-}
-
-// The inverse of shift_forward.
-void unshift_forward(std::vector<double>* rows, size_t begin, size_t num_rows,
-                     const std::vector<double>& shift) {
-  const size_t C = shift.size() / num_rows, size = 1 + 2 * C;
-  for (size_t r = 0; r < num_rows; ++r) {
-    double* v = rows->data() + begin + r * size;
-    for (size_t c = 0; c < C; ++c) {
-      const double s = shift[r * C + c], n = v[0], d1 = v[1 + c];
-      v[1 + c] = d1 + n * s;
-      v[1 + C + c] = v[1 + C + c] + 2 * s * d1 + n * s * s;
+      const double d = sign * shift[r * C + c], n = v[0], s1 = v[1 + c];
+      v[1 + c] = s1 + n * d;
+      v[1 + C + c] += 2 * d * s1 + n * d * d;
     }
   }
 }
