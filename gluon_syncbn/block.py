@@ -1,6 +1,5 @@
 """The SyncBatchNorm layer: arguments, parameters, input checks, and when
 it synchronizes. How it does is its backend's business (:mod:`.backends`)."""
-import copy
 import os
 
 from mxnet import autograd, ndarray

@@ -423,7 +423,7 @@ def install_cached_op_hook(hybrid_block_class, session, is_training):
             elif ctx in graphs['trained']:
                 _fence(graphs, ctx, session)
         layers = None
-        if args and hasattr(args[0], 'dtype') and is_training():
+        if args and hasattr(args[0], 'dtype') and training:
             # The layers' names and device count, found again whenever the
             # graph is rebuilt (convert_model and hybridize() after a first
             # call rebuild it).

@@ -34,6 +34,7 @@ from mxnet.util import is_np_array, is_np_shape
 from .block import SyncBatchNorm
 from .errors import SyncBatchNormError, warn_user
 from .hooks import blocks_of, imperatively
+from .session import drain
 from .stats import Tally
 
 __all__ = ['update_bn_stats']
@@ -319,10 +320,7 @@ def _write(layer, values):
 
 
 def _restore(tallies, saved):
-    try:
-        mx.nd.waitall()  # the calls still running; their error is the one being raised
-    except Exception:  # pylint: disable=broad-except
-        pass
+    drain()  # the calls still running; their error is the one being raised
     for t, copies in zip(tallies, saved):
         for arrays, kept in zip(_running_arrays(t.layer), copies):
             for array, copy in zip(arrays, kept):

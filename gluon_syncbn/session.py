@@ -82,9 +82,6 @@ class Session(object):
 
     def live_backends(self):
         """Every live layer's backend."""
-        return self._live_backends()
-
-    def _live_backends(self):
         while True:
             try:
                 return list(self._backends)
@@ -169,7 +166,7 @@ class Session(object):
 
     def fail_others(self, cause):
         """Wake every waiting call of every layer with ``cause``."""
-        for backend in self._live_backends():
+        for backend in self.live_backends():
             backend.fail_pending(cause)
 
     def clear_failed_arrays(self):
@@ -206,8 +203,8 @@ class Session(object):
             # its token), so this waits only for the work queued before
             # them; a static_shape graph's poison the next step's arrays
             # when they run, and must have run before the clearing.
-            _drain()
-            for backend in self._live_backends():
+            drain()
+            for backend in self.live_backends():
                 backend.clear_failed_state()
             self._cleared_token = step
 
@@ -220,8 +217,9 @@ class Session(object):
         self.fail_others(cause)
 
 
-def _drain():
-    """Wait for the engine, swallowing a failed step's error (reported already)."""
+def drain():
+    """Wait for the engine, swallowing a failed step's error (its cause is
+    reported by whoever failed it)."""
     import mxnet as mx  # pylint: disable=import-outside-toplevel
     try:
         mx.nd.waitall()

@@ -33,6 +33,7 @@ import weakref
 
 from . import messages
 from .errors import SyncBatchNormError
+from .session import drain
 
 __all__ = ['LocalTransport', 'KVStoreTransport', 'HorovodTransport', 'make_transport']
 
@@ -160,11 +161,7 @@ def _at_exit(rank):
         code, cause = failure
         _exit_now(code, messages.text('exit_failed', rank=rank, code=code, cause=cause))
     if lib is not None:
-        import mxnet as mx  # pylint: disable=import-outside-toplevel
-        try:
-            mx.nd.waitall()
-        except Exception:  # pylint: disable=broad-except
-            pass  # a failed step's error: its cause is the library's
+        drain()  # a failed step's error: its cause is the library's, checked next
         _exit_if_broken(lib, rank)
 
 

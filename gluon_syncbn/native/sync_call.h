@@ -130,6 +130,17 @@ bool push_on_worker(int dev_id, const std::vector<mxnet::NDArray>& reads, Pushed
                             name) == 0;
 }
 
+// Pushes `fn` as an engine operation that writes the engine variables
+// `vars`: it runs after every operation queued on them so far and before
+// those queued after it; it only orders, so any worker runs it. 0 on
+// success, as MXEnginePushSync.
+int push_ordering(std::function<void()> fn, std::vector<mxnet::Engine::VarHandle> vars,
+                  const char* name) {
+  int ctx[2] = {1, 0};  // mxnet::Context{kCPU, 0}
+  return MXEnginePushSync(run_pushed, new Pushed{std::move(fn)}, delete_pushed, ctx, nullptr, 0,
+                          vars.data(), static_cast<int>(vars.size()), nullptr, 0, name);
+}
+
 // A continuation runs here and now if the slice has at most this many
 // elements: pushing an engine operation costs about what normalizing that
 // many elements does.

@@ -140,13 +140,10 @@ int gsbn_stamp_static(const int64_t* layers, const int* devices, int num) {
     vars.push_back(layer_variable(layer_key(layers[i], devices[i])));
   }
   if (vars.empty()) return 0;
-  auto* f = new Pushed{[stamps, token]() {
+  return push_ordering([stamps, token]() {
     std::lock_guard<std::mutex> lock(g_mutex);
     for (const auto& s : stamps) s.first->static_token[s.second] = token + 1;
-  }};
-  int ctx[2] = {1, 0};  // mxnet::Context{kCPU, 0}: it only orders
-  return MXEnginePushSync(run_pushed, f, delete_pushed, ctx, nullptr, 0, vars.data(),
-                          static_cast<int>(vars.size()), nullptr, 0, "gluon_syncbn_stamp");
+  }, vars, "gluon_syncbn_stamp");
 }
 
 // A predict-mode graph is being issued on one device after training calls of
@@ -160,10 +157,7 @@ int gsbn_fence(const int64_t* layers, const int* devices, int num, NDArrayHandle
   std::vector<mxnet::Engine::VarHandle> vars;
   for (int i = 0; i < num; ++i) vars.push_back(layer_variable(layer_key(layers[i], devices[i])));
   for (int i = 0; i < num_arrays; ++i) vars.push_back(array_variable(arrays[i]));
-  auto* f = new Pushed{[]() {}};
-  int ctx[2] = {1, 0};  // mxnet::Context{kCPU, 0}: it only orders
-  return MXEnginePushSync(run_pushed, f, delete_pushed, ctx, nullptr, 0, vars.data(),
-                          static_cast<int>(vars.size()), nullptr, 0, "gluon_syncbn_fence");
+  return push_ordering([]() {}, vars, "gluon_syncbn_fence");
 }
 
 // Waits for the calls of layer `layer` issued so far on every device and
