@@ -13,7 +13,6 @@ alone beside plain in a fresh process, so the others still get their numbers.
 
     python benchmarks/bench_overhead.py                     # N = 2, 4, 8 -> results/overhead-async
     python benchmarks/bench_overhead.py --n 8 --temp-slots 4096   # -> results/overhead-async-n8
-    python benchmarks/bench_overhead.py --backend python   # -> results/overhead-python
     python benchmarks/bench_overhead.py --n 2 --backend exchange  # -> results/overhead-exchange-n2
     python benchmarks/bench_overhead.py --n 2 --steps 2 --warmup 1 --out /tmp/smoke  # smoke
     python benchmarks/bench_overhead.py --modes hybridized --repeat 3   # the spread, 3 processes each
@@ -21,11 +20,10 @@ alone beside plain in a fresh process, so the others still get their numbers.
     python benchmarks/bench_overhead.py --backend exchange --graph-only  # + the graph alone
 
 ``--backend`` picks gluon_syncbn's backend (the result file is named by it;
-the header says which ran): ``async`` (the default) is what CPU contexts run,
-``python`` the Python operator (the fallback). ``exchange`` and
-``python-device`` run CPU contexts down the path GPUs take (MXNet's
-operators compute the local moments, and the exchange operator, or the Python
-one, exchanges the vectors): the host cost of the GPU path. ``--graph-only`` adds a fourth variant: the GPU
+the header says which ran): ``async`` (the default) is what CPU contexts run;
+``exchange`` runs CPU contexts down the path GPUs take (MXNet's operators
+compute the local moments, and the exchange operator exchanges the vectors):
+the host cost of the GPU path. ``--graph-only`` adds a fourth variant: the GPU
 path's graph of MXNet operators around the exchange operator (moments,
 normalization), the exchange replaced by a slice and a reshape (timing only,
 not normalizing); its cost beside gluon_syncbn's separates the graph's share
@@ -50,9 +48,7 @@ DEFAULT_N = [2, 4, 8]
 MODES = ['hybridized', 'imperative']
 # --backend -> the settings that select it on CPU contexts
 BACKEND = {'async': dict(GLUON_SYNCBN_BACKEND='async', GLUON_SYNCBN_DEVICE_PATH='0'),
-           'python': dict(GLUON_SYNCBN_BACKEND='python', GLUON_SYNCBN_DEVICE_PATH='0'),
-           'exchange': dict(GLUON_SYNCBN_BACKEND='exchange', GLUON_SYNCBN_DEVICE_PATH='0'),
-           'python-device': dict(GLUON_SYNCBN_BACKEND='python', GLUON_SYNCBN_DEVICE_PATH='1')}
+           'exchange': dict(GLUON_SYNCBN_BACKEND='exchange', GLUON_SYNCBN_DEVICE_PATH='0')}
 MIN_STEPS = 10   # fewer: a smoke run
 
 
@@ -225,8 +221,8 @@ def main():
                         help="gluon_syncbn's timeout: how soon a deadlock is reported")
     parser.add_argument('--deadline', type=float, default=240.0, help='per process, seconds')
     parser.add_argument('--backend', default='async', choices=sorted(BACKEND),
-                        help="gluon_syncbn's backend; exchange and python-device: CPU "
-                             "contexts down the GPU path")
+                        help="gluon_syncbn's backend; exchange: CPU contexts down the "
+                             "GPU path")
     parser.add_argument('--modes', nargs='*', default=MODES, choices=MODES)
     parser.add_argument('--repeat', type=int, default=1,
                         help='processes per (N, mode): a row each, for the spread between them')

@@ -11,7 +11,7 @@ minimum, which the script states) without ``--out`` writes into
 ``benchmarks/scratch/`` (not tracked) and records no history.
 
 Worker side: ``operator_of(block)`` names the gluon_syncbn operator(s) a
-block's layers ran ('async', 'exchange' or 'python'; read after a first call).
+block's layers ran ('async' or 'exchange'; read after a first call).
 """
 import json
 import os
@@ -34,7 +34,7 @@ HISTORY_HEAD = ('# Benchmark history\n\nOne line per accepted run (see README.md
 # ----------------------------------------------------------------- worker side
 def operator_of(block):
     """The operator(s) gluon_syncbn's layers in ``block`` ran, '+'-joined
-    ('async', 'exchange', 'python', or e.g. 'async+python'), or None."""
+    ('async', 'exchange', or e.g. 'async+exchange'), or None."""
     found = set()
 
     def look(b):

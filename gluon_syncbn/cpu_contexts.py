@@ -164,9 +164,9 @@ def on_cpu_path(devices):
     asynchronous operator, where ``auto`` chooses; arrays read and written in
     place): every device a CPU context, and ``GLUON_SYNCBN_DEVICE_PATH`` not
     ``1``. That test switch makes CPU contexts count as GPUs, so the code
-    GPUs run (the exchange operator, which ``auto`` picks for them, and the
-    Python operator's GPU form: arrays copied, never touched in place) runs
-    in CI, which has no GPU."""
+    GPUs run (the exchange operator, which ``auto`` picks for them, copying
+    its vectors as on a GPU in the tests' build) runs in CI, which has no
+    GPU."""
     return (all(d.startswith('cpu') for d in devices)
             and os.environ.get(DEVICE_PATH_VARIABLE, '0') != '1')
 

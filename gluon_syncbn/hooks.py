@@ -1,8 +1,5 @@
 """Where gluon_syncbn hooks into MXNet; each hook is narrow and idempotent.
 
-* ``MXNetError`` raised for a failed custom operator carries only MXNet's
-  text (see ``mxnet_private``, "Failures"); we put the SyncBatchNorm failure
-  that caused it in its place, or after it.
 * Entering the outermost ``autograd.record()`` (or ``train_mode()``) scope
   begins a training step: calls issued after a failure but before that belong
   to the failed step (see ``session.Session``).
@@ -13,16 +10,16 @@
 * Before a cached graph's calls are issued, the errors an aborted step left
   on the layers' arrays are cleared (the block does it in imperative mode).
 * A Trainer's first step broadcasts every parameter from device 0, running
-  statistics included. In static_shape graphs those are written by engine
-  operations our operators push from their callbacks, so some devices' writes
-  can land before the broadcast and some after: replicas then differ (seen in
-  1 of 3 runs of the static test nets). Before that first broadcast we wait
-  for the engine, once, if any layer has synchronized.
-* At interpreter exit MXNet's own ``atexit`` handler stops the custom-operator
-  threads and then waits for the engine; a SyncBatchNorm call still waiting, or
-  failing, at that moment wedged it (2 of 3 runs hung). Ours, registered after
-  MXNet's so it runs first, drains the engine while those threads still run,
-  and aborts the step if calls are still waiting after a bounded time.
+  statistics included. In static_shape graphs our operators update those
+  inside their calls, which such graphs hold as read-only inputs, so the
+  engine does not order the broadcast after them: some devices' updates can
+  land before it and some after, and replicas then differ (seen in 1 of 3
+  runs of the static test nets). Before that first broadcast we wait for the
+  engine, once, if any layer has synchronized.
+* At interpreter exit MXNet's own ``atexit`` handler waits for the engine, and
+  a SyncBatchNorm call waiting for a partner that never comes would hold it
+  until the layer's timeout. Ours, registered after MXNet's so it runs first,
+  drains the engine for a bounded time and then aborts the step.
 """
 import atexit
 import collections
@@ -33,41 +30,11 @@ import threading
 import mxnet as mx
 
 from . import messages
-from .errors import SyncBatchNormError, last_failure, ours_behind, take_failures
-from .mxnet_private import FAILED_CALL_TEXT, dtype_name
+from .errors import SyncBatchNormError, ours_behind
+from .mxnet_private import dtype_name
 from .session import SESSION
 
 __all__ = ['install']
-
-_CUSTOM_OP_MARKERS = ('kCustomOpForward', 'kCustomOpBackward', 'kCustomOpProp')
-
-
-def _causes(message):
-    """What gluon_syncbn knows about the failure an MXNetError reports, or ''."""
-    if any(m in message for m in _CUSTOM_OP_MARKERS):
-        return '\n'.join('%s: %s' % (type(e).__name__, e) for e in take_failures())
-    return ''
-
-
-def install_error_text_hook(mxnet_error_class):
-    """Make ``MXNetError``s raised for our operators name the cause and the fix."""
-    if getattr(mxnet_error_class, '_gluon_syncbn_hooked', False):
-        return
-    original_init = mxnet_error_class.__init__
-
-    def __init__(self, *args, **kwargs):
-        message = args[0] if args and isinstance(args[0], str) else ''
-        failure = last_failure() if FAILED_CALL_TEXT in message else None
-        if failure is not None:  # mxnet_private.fail_custom_call's: MXNet's text says nothing
-            args = ('%s: %s' % (type(failure).__name__, failure),) + args[1:]
-        else:
-            causes = _causes(message)
-            if causes:
-                args = (message + '\n\nCaused by (gluon_syncbn):\n' + causes,) + args[1:]
-        original_init(self, *args, **kwargs)
-
-    mxnet_error_class.__init__ = __init__
-    mxnet_error_class._gluon_syncbn_hooked = True
 
 
 def install_record_abort_hook(scope_class, session, is_recording, is_training):
@@ -104,7 +71,7 @@ def install_exit_abort_hook(session, waitall):
 
     A script that ends right after issuing its last step (no ``waitall``) still
     has that step's calls in flight: they get ``EXIT_DRAIN_SECONDS`` to finish,
-    so a healthy step is never failed (which printed custom-op tracebacks).
+    so a healthy step is never failed.
     Calls waiting for a partner that never comes are failed after that, and
     the drain then ends.
     """
@@ -252,11 +219,6 @@ def _use_graph_for_mode(block, args, training):
         if not _synchronizes(block):
             return
         static = bool(dict(block._flags).get('static_shape'))
-        if static and any(b.name == 'python' for b in calls):
-            with _without_static_shape(block):
-                block._clear_cached_op()
-                calls = _build(block, args, prediction=False)
-            static = False
         # 'static': per device, the static training graph's native layers
         # (None: its training graph is not static_shape); 'trained': the
         # devices with training calls since their last predict call.
@@ -324,28 +286,6 @@ def _moved(block):
             return True
     placement[0] = _placements[0]
     return False
-
-
-@contextlib.contextmanager
-def _without_static_shape(block):
-    """``block`` traced without static_shape in the context (static_alloc
-    stays), for the training graph of a block whose layers run the Python
-    operator. A static_shape graph makes its operators once, and a custom
-    operator there can neither learn which step a call belongs to nor order
-    its update of the running statistics before a later predict call's
-    reads, as the native operators do (:func:`_stamp_static`, :func:`_fence`).
-    Its predict graph, ``BatchNorm`` alone, keeps static_shape."""
-    flags, layers = block._flags, [b for b in blocks_of(block) if hasattr(b, '_static_shape')]
-    static = [b._static_shape for b in layers]
-    block._flags = [(k, v) for k, v in flags if k != 'static_shape']
-    for b in layers:
-        b._static_shape = False
-    try:
-        yield
-    finally:
-        block._flags = flags
-        for b, value in zip(layers, static):
-            b._static_shape = value
 
 
 class _StaticLayers(object):
@@ -483,13 +423,11 @@ def install_deepcopy_hook(hybrid_block_class):
     hybrid_block_class.__deepcopy__ = __deepcopy__
 
 
-# MXNet's refusals of a higher-order gradient through our layers where their
+# MXNet's refusal of a higher-order gradient through our layers where their
 # own operators cannot say it: a CachedOp's (a hybridized network's, or the
 # GPU path's imperative call's, whose advice about hybridize is wrong for a
-# network that was not hybridized), and the Python operator's, whose backward
-# is recorded but cannot be differentiated.
-_NO_HIGHER_ORDER = ('CachedOp does not support higher order gradients',
-                    'Cannot differentiate node because it is not in a computational graph')
+# network that was not hybridized).
+_NO_HIGHER_ORDER = 'CachedOp does not support higher order gradients'
 
 
 def _as_ours(exc, heads, session):
@@ -504,7 +442,7 @@ def _as_ours(exc, heads, session):
     if ours is not None and not unnamed:
         return ours
     if not unnamed and (not session.active()
-                        or not any(text in str(exc) for text in _NO_HIGHER_ORDER)):
+                        or _NO_HIGHER_ORDER not in str(exc)):
         return None
     names = _layers_in(heads, session) or sorted(
         {b.layer_name for b in session.live_backends()})
@@ -575,7 +513,6 @@ def install_trainer_hook(trainer_class, session, waitall):
 def install():
     """Install every hook (idempotent; the package's ``__init__`` does, at
     import); each does nothing until a layer has synchronized."""
-    install_error_text_hook(mx.base.MXNetError)
     install_record_abort_hook(mx.autograd._RecordingStateScope, SESSION,
                               mx.autograd.is_recording, mx.autograd.is_training)
     install_exit_abort_hook(SESSION, mx.nd.waitall)

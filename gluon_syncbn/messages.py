@@ -1,5 +1,5 @@
-"""The wording of every failure that both the Python operator and the native
-library report, in one place.
+"""The wording of every failure the native library reports, and of those
+Python reports too, in one place.
 
 A template's fields are ``{name}``; values arrive formatted (numbers with
 ``%g``, lists joined with ', '). Python fills them in with :func:`text`; the

@@ -8,10 +8,9 @@ network runs in training mode without recording, and each layer's training
 calls are tallied (:class:`~gluon_syncbn.stats.Tally`):
 
 * a SyncBatchNorm layer that synchronizes tallies, on every device, the
-  global statistics each call normalizes with, where its backend computes
-  them (the native session or the Python operator), across processes as
-  within one: every device of a sync group tallies the same numbers in the
-  same order;
+  global statistics each call normalizes with, where the native session
+  computes them, across processes as within one: every device of a sync
+  group tallies the same numbers in the same order;
 * ``nn.BatchNorm``, and a SyncBatchNorm layer that does not synchronize (one
   device, one process), tallies the float64 moments of its input on the
   input's device, from a forward pre-hook; its devices' tallies are summed,

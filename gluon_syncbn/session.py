@@ -2,17 +2,17 @@
 across every layer of the process.
 
 Calls carry a token, the step they were issued in; every failure (a device
-raised, a device never came, ``reset()``) aborts the step. Once the native
-library is loaded, the token lives in its session (``native/session.h``), so
-every backend shares one step.
+raised, a device never came, ``reset()``) aborts the step. The token lives
+in the native library's session (``native/session.h``), loaded at the first
+layer's first synchronized call: every layer that synchronizes runs a native
+operator.
 """
 import threading
 import weakref
 
 from . import messages
 from . import native
-from .errors import (SyncBatchNormError, SyncBatchNormTimeout, add_failure_source,
-                     record_failure)
+from .errors import SyncBatchNormError
 
 __all__ = ['SESSION', 'SETUP_LOCK', 'reset']
 
@@ -27,28 +27,24 @@ SETUP_LOCK = threading.RLock()
 class Session(object):
     """Which training step calls belong to, across all layers of the process.
 
-    Operators take a token when MXNet creates them (when they are issued, in
-    imperative and dynamic-graph mode). A failure that leaves calls without
-    partners (a device raised, a device never came, ``reset()``) starts a new
-    token: calls issued before it fail at once with the cause instead of
-    waiting, or pairing with the next step's calls. Calls issued after the
-    failure but before the next step begins (the outermost ``record()`` or
-    ``train_mode()`` scope is entered: see hooks) still get the old token:
-    they are the rest of the failed step.
+    Operators take a token when they are issued (in imperative and
+    dynamic-graph mode; a static graph's calls are stamped with it, see
+    hooks). A failure that leaves calls without partners (a device raised, a
+    device never came, ``reset()``) starts a new token: calls issued before
+    it fail at once with the cause instead of waiting, or pairing with the
+    next step's calls. Calls issued after the failure but before the next
+    step begins (the outermost ``record()`` or ``train_mode()`` scope is
+    entered: see hooks) still get the old token: they are the rest of the
+    failed step.
 
     Every source of a failure in Python (bad input, an exception leaving
-    ``record()``, a shape the Python operator refuses, interpreter exit,
-    ``reset()``) enters here through :meth:`fail_step`; a barrier, which must
-    mark the step aborted before its own waiters wake, calls its two halves,
-    :meth:`abort` and :meth:`fail_others`. The native library's own failures
-    abort the same step there (``session.h``, ``abort_locked``): once it is
-    loaded the token lives in it.
+    ``record()``, interpreter exit, ``reset()``) enters here through
+    :meth:`fail_step`; the native library's own failures abort the same
+    step there (``session.h``, ``abort_locked``). Before the library is
+    loaded no layer has synchronized, so no call can be waiting.
     """
 
     def __init__(self):
-        self._lock = threading.Lock()
-        self._token = 0
-        self._cause = None
         self._backends = weakref.WeakSet()  # every layer's, while it lives
         self.native = None
         self._cleared_token = 0
@@ -58,26 +54,22 @@ class Session(object):
 
     def load_native(self):
         """The native library, built and loaded at the first layer's first
-        call (not at import), or None where it cannot be had.
+        synchronized call (not at import), or None where it cannot be had.
 
-        From then on the step token lives there, so every backend shares one
-        step: a native timeout fails the Python calls of the step and the
-        other way round. No call has been issued before the first layer's, so
-        the token starts afresh.
+        No call has been issued before the first layer's, so the token
+        starts afresh there.
         """
         if self.native is None:
             with SETUP_LOCK:
                 lib = native.load() if self.native is None else None
                 if lib is not None:
-                    add_failure_source(lambda: [
-                        (SyncBatchNormTimeout if kind == 'SyncBatchNormTimeout'
-                         else SyncBatchNormError)(m) for kind, m in lib.take_errors()])
                     self._issue_token = lib.token(begin=True)
                     self.native = lib  # last: the token lives there from now on
         return self.native
 
     def add(self, backend):
-        """Fail and clean up ``backend``'s calls with every other layer's."""
+        """Clean up after a failed step ``backend``'s arrays with every other
+        layer's (:meth:`clear_failed_arrays`)."""
         self._backends.add(backend)
 
     def live_backends(self):
@@ -88,24 +80,15 @@ class Session(object):
             except RuntimeError:  # a layer was collected meanwhile
                 continue
 
-    def token(self):
-        """The current step's token."""
-        return self.native.token() if self.native is not None else self._token
-
-    def issue_token(self):
-        """The token of a call issued now: the step that began last."""
-        return self._issue_token
-
     def check_dtypes(self, owner, name, num_devices, device, dtype):
-        """Raise if the call of ``owner`` (the Python backend of a layer, or
-        a hybridized block holding layers; ``name`` names them) issued now on
-        ``device`` (a Context or its name) has another dtype than the same
-        call on the other devices: the k-th call of each of the
+        """Raise if the call of ``owner`` (a hybridized block holding layers;
+        ``name`` names them) issued now on ``device`` (a Context or its name)
+        has another dtype than the same call on the other devices: the k-th
+        call of each of the
         ``num_devices`` devices since the step token last changed, as the
         operators pair them. The meetings compare the devices' dtypes too;
         this finds a mismatch as the calls are issued, where a meeting cannot
-        (a traced graph's operators see the network's dtype) or where its
-        failure would complete every device's custom-operator call at once.
+        (a traced graph's operators see the network's dtype).
 
         The record lives on ``owner`` (nothing outlives it) and keeps only
         calls some device has not made yet, at most :data:`OPEN_CALLS` of
@@ -137,37 +120,12 @@ class Session(object):
         """A training step begins: calls issued from now on belong to it.
         Called by every thread that enters ``record()``, so once or once per
         device per step."""
-        self._issue_token = (self.native.token(begin=True) if self.native is not None
-                             else self._token)
-
-    def cause(self):
-        return self.native.cause() if self.native is not None else self._cause
+        if self.native is not None:
+            self._issue_token = self.native.token(begin=True)
 
     def active(self):
         """True while any SyncBatchNorm layer that has synchronized lives."""
         return len(self._backends) > 0
-
-    def check(self, token, layer):
-        """Raise if a call of ``layer`` issued with ``token`` belongs to a failed step."""
-        if token != self.token():
-            exc = SyncBatchNormError(messages.text('stale_call', layer=layer,
-                                                   cause=self.cause()))
-            record_failure(exc)
-            raise exc
-
-    def abort(self, cause, exiting=False):
-        """Start a new token; calls issued before now belong to an aborted step."""
-        with self._lock:
-            if self.native is None:
-                self._token += 1
-                self._cause = cause
-            else:  # the token lives there (see load_native)
-                self.native.abort(cause, exiting)
-
-    def fail_others(self, cause):
-        """Wake every waiting call of every layer with ``cause``."""
-        for backend in self.live_backends():
-            backend.fail_pending(cause)
 
     def clear_failed_arrays(self):
         """At the first call of a step that began after an abort, clear the
@@ -210,11 +168,12 @@ class Session(object):
 
     def fail_step(self, cause=None, exiting=False):
         """The current step failed with ``cause`` (default: ``gluon_syncbn.reset()``
-        was called): abort it, and wake every waiting call of every layer."""
+        was called): abort it, so that every call of it fails at once.
+        ``exiting``: at interpreter exit, which is never fatal to a job."""
         if cause is None:
             cause = SyncBatchNormError('gluon_syncbn.reset() was called while this call waited.')
-        self.abort(cause, exiting)
-        self.fail_others(cause)
+        if self.native is not None:
+            self.native.abort(cause, exiting)
 
 
 def drain():

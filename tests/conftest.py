@@ -90,30 +90,28 @@ def result_of(results, index):
 BACKEND_VARIABLE = 'GLUON_SYNCBN_BACKEND'
 DEVICE_PATH_VARIABLE = 'GLUON_SYNCBN_DEVICE_PATH'
 # Every code path a layer call can take, named by its backend, and the
-# environment that selects it on CPU contexts: 'exchange', 'exchange-device'
-# and 'python-device' are the paths GPUs take (MXNet's operators compute the
+# environment that selects it on CPU contexts: 'exchange' and
+# 'exchange-device' are the path GPUs take (MXNet's operators compute the
 # moments). Where CPU contexts count as GPUs (the test switch
-# GLUON_SYNCBN_DEVICE_PATH) arrays are copied, never touched in place: the
-# Python operator takes its GPU form, and the exchange operator copies through
-# its GPU code with a stand-in CUDA runtime (tests/native_testing.h).
+# GLUON_SYNCBN_DEVICE_PATH) the exchange operator copies through its GPU code
+# with a stand-in CUDA runtime (tests/native_testing.h), never touching the
+# arrays in place.
 PATHS = {
     'async': {BACKEND_VARIABLE: 'async'},
-    'python': {BACKEND_VARIABLE: 'python'},
     'exchange': {BACKEND_VARIABLE: 'exchange'},
     'exchange-device': {BACKEND_VARIABLE: 'exchange', DEVICE_PATH_VARIABLE: '1'},
-    'python-device': {BACKEND_VARIABLE: 'python', DEVICE_PATH_VARIABLE: '1'},
 }
 # The backend each path runs (the layer's _sync_backend.name).
-PATH_OPERATOR = {'async': 'async', 'python': 'python', 'exchange': 'exchange',
-                 'exchange-device': 'exchange', 'python-device': 'python'}
-# The paths the fault, empty-slice, group, NumPy-mode and AMP suites run on.
-OPERATOR_PATHS = ['async', 'python', 'exchange']
+PATH_OPERATOR = {'async': 'async', 'exchange': 'exchange', 'exchange-device': 'exchange'}
+# The paths the fault, empty-slice, group, NumPy-mode and AMP suites run on:
+# each backend once.
+OPERATOR_PATHS = ['async', 'exchange']
 
 
 @pytest.fixture(params=OPERATOR_PATHS)
 def operator(request, monkeypatch):
     """Run the test's subprocesses on each operator in turn: the native
-    asynchronous and exchange operators and the Python one (see PATHS)."""
+    asynchronous and exchange operators (see PATHS)."""
     for name, value in PATHS[request.param].items():
         monkeypatch.setenv(name, value)
     if DEVICE_PATH_VARIABLE not in PATHS[request.param]:

@@ -572,7 +572,7 @@ def amp_float16_layer(sizes=(2, 3), hybridize=False, seed=0):
     """What ``amp.init()`` (float16, the GPU setting) feeds the layer, on CPU
     contexts: a BN-relu-BN net (CPU has no float16 convolution) on float16
     input vs the same net with nn.BatchNorm on one context under the same AMP.
-    Run on the 'exchange' or 'python-device' path (conftest.PATHS) it exercises
+    Run on the 'exchange' or 'exchange-device' path (conftest.PATHS) it exercises
     the GPU path's code."""
     from mxnet.contrib import amp as mx_amp
     mx_amp.init(target_dtype='float16')

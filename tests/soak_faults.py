@@ -7,7 +7,7 @@ script measures the rates. Not part of the suite (200 runs of everything take
 about an hour on 2 cores):
 
     python -m tests.soak_faults --runs 200
-    python -m tests.soak_faults --runs 20 --paths async python --cases user_code_raises
+    python -m tests.soak_faults --runs 20 --paths async exchange --cases user_code_raises
 
 Runs go in batches of ``--batch`` repetitions per process (a crash loses the
 rest of its batch, which is run again). Prints one line per (path, case) and

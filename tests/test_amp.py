@@ -69,7 +69,7 @@ def test_bfloat16_amp_is_as_close_to_float32_as_nn_batchnorm(bfloat16_convolutio
     assert errs['running'] < 2e-2 and errs['param'] < 0.1, errs  # 3 SGD steps later
 
 
-@pytest.mark.parametrize('path', ['async', 'exchange', 'python-device'])
+@pytest.mark.parametrize('path', ['async', 'exchange', 'exchange-device'])
 @pytest.mark.parametrize('hybridize', MODES)
 def test_float16_amp_the_gpu_setting_matches_nn_batchnorm(monkeypatch, path, hybridize):
     # amp.init() with float16, as on GPUs, on a net without convolutions (CPU

@@ -193,7 +193,7 @@ def test_batchnorm_relu_converts_and_reverts_and_unknown_ones_are_named(tmp_path
         convert_model(loaded)
 
 
-@pytest.mark.parametrize('path', ['async', 'exchange', 'exchange-device', 'python'])
+@pytest.mark.parametrize('path', ['async', 'exchange', 'exchange-device'])
 def test_copies_pickles_fixed_gamma_and_second_order_gradients_as_nn_batchnorm(path):
     """copy.deepcopy and pickle of a network (a copy trains on its own,
     beside the original, both exact); gamma with scale=False stored as

@@ -13,8 +13,7 @@ RECOVERED = 1e-5  # relative error of the next, correct step vs float64 maths
 
 @pytest.fixture(autouse=True)
 def each_operator(operator):
-    """Every test here runs with the native asynchronous and exchange operators and the
-    Python one."""
+    """Every test here runs with the native asynchronous and exchange operators."""
 
 
 @pytest.mark.parametrize('hybridize', [False, True])

@@ -1,6 +1,7 @@
-"""The native operator: built for the user, a fallback without a compiler, no
-leaks, and no deadlock at depth. Every MXNet run is a fresh process with a
-deadline."""
+"""The native operators: built for the user, required wherever a layer
+synchronizes (without them its first synchronized call raises, saying why
+and what to do), no leaks, and no deadlock at depth. Every MXNet run is a
+fresh process with a deadline."""
 import os
 import shutil
 
@@ -36,6 +37,18 @@ print('ERROR', max_rel_err(np.concatenate([y.asnumpy() for y in ys]), y64))
 def python(code, timeout=180, **env):
     """The backend chosen by ``env`` alone (else ``auto``)."""
     return run_python(code, timeout, env, drop=(BACKEND_VARIABLE, DEVICE_PATH_VARIABLE))
+
+
+def first_call_line(code):
+    """The line of ``code`` (1-based, as a traceback names it) that makes
+    the layer's first synchronized call."""
+    return [i for i, line in enumerate(code.splitlines(), 1) if 'ys = [bn(a)' in line][0]
+
+
+def with_hybridize(code, hybridize):
+    """``code`` (TWO_DEVICE_STEP) with its layer hybridized if ``hybridize``."""
+    return code.replace('bn.initialize(ctx=ctx)\n', 'bn.initialize(ctx=ctx)\nbn.hybridize()\n') \
+        if hybridize else code
 
 
 def reported(out, key):
@@ -84,7 +97,7 @@ def test_built_at_first_use_into_the_cache(tmp_path):
     assert 'RuntimeWarning' not in out.stderr, out.stderr[-2000:]
 
 
-def test_a_failed_self_test_falls_back_to_the_python_operator(cache_with_library):
+def test_a_failed_self_test_is_an_error_at_the_first_call(cache_with_library):
     first = python(TWO_DEVICE_STEP, GLUON_SYNCBN_CACHE=str(cache_with_library))
     assert reported(first, 'OPERATOR') == 'async'
     # A build whose C++ ABI differs from the wheel's: its self-test's verdict.
@@ -92,19 +105,14 @@ def test_a_failed_self_test_falls_back_to_the_python_operator(cache_with_library
     marker = [folder / name for name in os.listdir(folder) if name.endswith('.async.selftest')][0]
     simulate_verdict(marker, 'exit -11: simulated')
     out = python(TWO_DEVICE_STEP, GLUON_SYNCBN_CACHE=str(cache_with_library))
-    assert reported(out, 'OPERATOR') == 'python'
-    assert 'async operator failed its self-test: exit -11: simulated' in reported(out, 'WHY')
-    assert float(reported(out, 'ERROR')) < 1e-5
-    assert out.stderr.count('RuntimeWarning') == 1, out.stderr[-3000:]
-    assert 'async operator failed its self-test: exit -11: simulated' in out.stderr
-    assert '<string>:15: RuntimeWarning' in out.stderr, out.stderr[-3000:]
-    assert 'GLUON_SYNCBN_BACKEND=python to silence' in out.stderr, out.stderr[-3000:]
-    quiet = python(TWO_DEVICE_STEP, GLUON_SYNCBN_CACHE=str(cache_with_library),
-                   GLUON_SYNCBN_BACKEND='python')
-    assert reported(quiet, 'OPERATOR') == 'python'
-    assert reported(quiet, 'WHY') == "'GLUON_SYNCBN_BACKEND=python'"
-    assert 'RuntimeWarning' not in quiet.stderr, quiet.stderr[-2000:]
-    # Asked for by name, the operator that failed is an error, not a fallback.
+    assert out.returncode != 0
+    assert "SyncBatchNormError: SyncBatchNorm 'syncbatchnorm0': the native operators are " \
+        'required, but the async operator failed its self-test: exit -11: simulated' \
+        in out.stderr, out.stderr[-3000:]
+    # At the call itself, not at a later read of its output.
+    assert 'File "<string>", line %d' % first_call_line(TWO_DEVICE_STEP) in out.stderr
+    assert 'RuntimeWarning' not in out.stderr, out.stderr[-2000:]
+    # Asked for by name, the same.
     strict = python(TWO_DEVICE_STEP, GLUON_SYNCBN_CACHE=str(cache_with_library),
                     GLUON_SYNCBN_BACKEND='async')
     assert strict.returncode != 0
@@ -114,9 +122,9 @@ def test_a_failed_self_test_falls_back_to_the_python_operator(cache_with_library
     assert 'RuntimeWarning' not in strict.stderr, strict.stderr[-2000:]
 
 
-def test_device_path_takes_the_exchange_operator_and_its_fallback(cache_with_library):
+def test_device_path_takes_the_exchange_operator_or_says_why_not(cache_with_library):
     # The GPU path (on CPU contexts): the exchange operator where the self-test
-    # passed, the Python operator where it failed, with one warning; both exact.
+    # passed, exact; where it failed, an error at the first call.
     code = TWO_DEVICE_STEP + (
         "from gluon_syncbn import native\n"
         "print('EXCHANGE', native.exchange_operator() is not None)\n")
@@ -131,12 +139,11 @@ def test_device_path_takes_the_exchange_operator_and_its_fallback(cache_with_lib
               if name.endswith('.exchange.selftest')][0]
     simulate_verdict(marker, 'exit -11: simulated')
     out = python(code, GLUON_SYNCBN_CACHE=str(cache_with_library), GLUON_SYNCBN_DEVICE_PATH='1')
-    assert reported(out, 'OPERATOR') == 'python'
-    assert 'exchange operator failed its self-test: exit -11' in reported(out, 'WHY')
-    assert reported(out, 'EXCHANGE') == 'False'
-    assert float(reported(out, 'ERROR')) < 1e-5
-    assert out.stderr.count('RuntimeWarning') == 1, out.stderr[-3000:]
-    assert 'failed its self-test' in out.stderr and 'exit -11: simulated' in out.stderr
+    assert out.returncode != 0
+    assert "SyncBatchNormError: SyncBatchNorm 'syncbatchnorm0': the native operators are " \
+        'required, but the exchange operator failed its self-test: exit -11: simulated' \
+        in out.stderr, out.stderr[-3000:]
+    assert 'RuntimeWarning' not in out.stderr, out.stderr[-2000:]
     strict = python(code, GLUON_SYNCBN_CACHE=str(cache_with_library), GLUON_SYNCBN_BACKEND='exchange')
     assert strict.returncode != 0
     assert "GLUON_SYNCBN_BACKEND=exchange, but the exchange operator failed its self-test: " \
@@ -182,18 +189,28 @@ def unbuildable(tmp_path, cause):
             'Set GLUON_SYNCBN_CACHE to a directory you can write, or unset it for ')
 
 
+@pytest.mark.parametrize('in_channels', [3, 0], ids=['in_channels', 'deferred'])
+@pytest.mark.parametrize('hybridize', [False, True], ids=['imperative', 'hybridized'])
 @pytest.mark.parametrize('cause', ['compiler', 'cache'])
-def test_without_a_build_falls_back_with_one_warning_saying_what_to_do(tmp_path, cause):
+def test_without_a_build_the_first_call_raises_saying_what_to_do(tmp_path, cause, hybridize,
+                                                                  in_channels):
+    # In one process too: the native operators are required wherever a layer
+    # synchronizes. in_channels=0: found inside Gluon's deferred
+    # initialization, which wraps what fails there in a ValueError about
+    # shapes; the user gets ours.
     env, why, fix = unbuildable(tmp_path, cause)
-    out = python(TWO_DEVICE_STEP, **env)
-    assert reported(out, 'OPERATOR') == 'python'
-    assert float(reported(out, 'ERROR')) < 1e-5
-    assert out.stderr.count('RuntimeWarning') == 1, out.stderr[-3000:]
-    assert why in out.stderr and fix in out.stderr, out.stderr[-3000:]
-    assert out.stderr.count('Install a C++ compiler') == (cause == 'compiler')
-    # Located at the user's call of the layer, not inside the library or MXNet.
-    assert '<string>:15: RuntimeWarning' in out.stderr, out.stderr[-3000:]
-    assert 'GLUON_SYNCBN_BACKEND=python to silence' in out.stderr
+    code = with_hybridize(TWO_DEVICE_STEP.replace('in_channels=3', 'in_channels=%d' % in_channels),
+                          hybridize)
+    out = python(code, **env)
+    assert out.returncode != 0
+    assert "SyncBatchNormError: SyncBatchNorm 'syncbatchnorm0': the native operators are " \
+        'required, but the native library is not available: %s. %s' % (why, fix) \
+        in out.stderr, out.stderr[-3000:]
+    assert out.stderr.count('Install a C++ compiler') == (cause == 'compiler'), out.stderr
+    assert 'Deferred' not in out.stderr, out.stderr[-3000:]
+    # At the call itself, not at a later read of its output.
+    assert 'File "<string>", line %d' % first_call_line(code) in out.stderr, out.stderr[-3000:]
+    assert 'RuntimeWarning' not in out.stderr, out.stderr[-2000:]
 
 
 @pytest.mark.parametrize('backend,cause,in_channels', [
@@ -213,37 +230,22 @@ def test_asking_for_a_native_backend_without_a_build_is_an_error(tmp_path, backe
     assert 'RuntimeWarning' not in out.stderr, out.stderr[-2000:]
 
 
-def test_python_operator_on_request_registers_nothing_and_stays_quiet(cache_with_library,
-                                                                     tmp_path):
-    # The library is loaded for the session and the Python operator's failed
-    # calls (failures.h), but registers no operator and runs no self-test;
-    # without a compiler (nothing built) the same, silently.
-    code = TWO_DEVICE_STEP + (
-        "from gluon_syncbn import native\n"
-        "print('NATIVE', native.load() is not None, native.status()['verdicts'])\n")
-    out = python(code, GLUON_SYNCBN_CACHE=str(cache_with_library), GLUON_SYNCBN_BACKEND='python')
-    assert reported(out, 'OPERATOR') == 'python'
-    assert float(reported(out, 'ERROR')) < 1e-5
-    assert reported(out, 'NATIVE') == 'True {}'
-    folder = cache_with_library / os.listdir(cache_with_library)[0]
-    assert [name[-3:] for name in os.listdir(folder)] == ['.so'], os.listdir(folder)
-    bare = python(code, GLUON_SYNCBN_CACHE=str(tmp_path / 'b'), GLUON_SYNCBN_BACKEND='python',
-                  CXX='/nonexistent/c++')
-    assert reported(bare, 'OPERATOR') == 'python'
-    assert float(reported(bare, 'ERROR')) < 1e-5
-    assert reported(bare, 'NATIVE') == 'False {}'
-    assert 'RuntimeWarning' not in bare.stderr, bare.stderr[-2000:]
-
-
 def test_bad_backend_choice_names_the_variable():
     out = python('import gluon_syncbn', GLUON_SYNCBN_BACKEND='fast')
     assert out.returncode != 0
-    assert "GLUON_SYNCBN_BACKEND='fast': use auto, async, exchange, python." in out.stderr
+    assert "GLUON_SYNCBN_BACKEND='fast': use auto, async, exchange." in out.stderr
+    # There is no Python operator to ask for: the error names what to set.
+    slow = python('import gluon_syncbn', GLUON_SYNCBN_BACKEND='python')
+    assert slow.returncode != 0
+    assert 'GLUON_SYNCBN_BACKEND=python: there is no Python operator' in slow.stderr, \
+        slow.stderr[-2000:]
+    assert 'Set GLUON_SYNCBN_BACKEND=auto (or unset it), async (CPU contexts) or exchange ' \
+           '(GPUs).' in slow.stderr, slow.stderr[-2000:]
     # The variable it replaced is an error too, not silently ignored.
     old = python('import gluon_syncbn', GLUON_SYNCBN_OPERATOR='native')
     assert old.returncode != 0
     assert 'GLUON_SYNCBN_OPERATOR is no longer read: set GLUON_SYNCBN_BACKEND=auto, async ' \
-           '(CPU contexts), exchange (GPUs) or python instead' in old.stderr, old.stderr[-2000:]
+           '(CPU contexts) or exchange (GPUs) instead' in old.stderr, old.stderr[-2000:]
 
 
 def test_the_async_backend_refuses_layers_on_gpus():
@@ -351,9 +353,8 @@ def test_deep_stack_does_not_deadlock(num_devices, hybridize):
     # (53 float32 layers deep on 2x2 images, rounding differences grow
     # chaotically, most in backward: against nn.BatchNorm on one context, the
     # input gradients' relative error is 1e-5 at 8 layers, 1e-4 at 16, 5e-2 at
-    # 32 and 0.7-2.1 at 53, alike for the asynchronous and the Python
-    # operator, and the figure at 53 changes with the CPU's kernels. Exactness
-    # is test_layer's and test_networks' 20-layer nets'.)
+    # 32 and 0.7-2.1 at 53, and the figure at 53 changes with the CPU's
+    # kernels. Exactness is test_layer's and test_networks' 20-layer nets'.)
     assert r['finite'] == 1.0, r
     assert r['out'] < 1.0, r
 
@@ -409,8 +410,8 @@ print('WORST', worst)
 
 def test_one_device_is_nn_batchnorm_with_no_library_work(tmp_path):
     # A single-device debug run: no build, no self-test, no warning (here no
-    # compiler either, which would warn), and nn.BatchNorm's results, in
-    # every dtype, imperative and hybridized.
+    # compiler either, which a synchronized call would raise about), and
+    # nn.BatchNorm's results, in every dtype, imperative and hybridized.
     out = python(ONE_DEVICE_STEPS, CXX=str(tmp_path / 'no-such-compiler'),
                  GLUON_SYNCBN_CACHE=str(tmp_path / 'cache'))
     assert out.returncode == 0, out.stderr[-3000:]
@@ -421,17 +422,18 @@ def test_one_device_is_nn_batchnorm_with_no_library_work(tmp_path):
 
 def test_a_self_test_that_runs_out_of_time_is_not_kept(cache_with_library):
     # A loaded machine: the self-test takes longer than its limit. That says
-    # nothing about the build, so this process runs the Python operator (one
-    # warning saying so) and the next one tries again.
+    # nothing about the build, so this process's first call raises saying so,
+    # and the next process tries again.
     folder = cache_with_library / os.listdir(cache_with_library)[0]
     library = os.listdir(folder)[0]
     late = python('from gluon_syncbn import native\nnative.SELFTEST_SECONDS = 0.01\n'
                   + TWO_DEVICE_STEP, GLUON_SYNCBN_CACHE=str(cache_with_library))
-    assert reported(late, 'OPERATOR') == 'python'
-    assert 'took more than 0.01s; not a verdict on the build, so not kept: the next process ' \
-        'runs the self-test again' in reported(late, 'WHY')
-    assert late.stderr.count('RuntimeWarning') == 1, late.stderr[-3000:]
-    assert float(reported(late, 'ERROR')) < 1e-5
+    assert late.returncode != 0
+    assert "SyncBatchNorm 'syncbatchnorm0': the native operators are required, but the async " \
+        'operator failed its self-test: it took more than 0.01s; not a verdict on the build, ' \
+        'so not kept: the next process runs the self-test again' in late.stderr, \
+        late.stderr[-3000:]
+    assert 'RuntimeWarning' not in late.stderr, late.stderr[-2000:]
     assert not [n for n in os.listdir(folder) if n.endswith('.selftest')], os.listdir(folder)
     again = python(TWO_DEVICE_STEP, GLUON_SYNCBN_CACHE=str(cache_with_library))
     assert reported(again, 'OPERATOR') == 'async'
@@ -488,20 +490,18 @@ for step in range(3):
         y.wait_to_read()
     except mx.base.MXNetError as exc:
         print('STEP%d' % step, 'missing: cpu(1)' in str(exc))
-print('PENDING', native_testing.count(SESSION.native, 'meetings') if SESSION.native else '-')
-backend = bn._sync_backend
-print('BARRIER', len(backend.barrier._meetings) if backend.name == 'python' else 0)
+print('PENDING', native_testing.count(SESSION.native, 'meetings'))
 '''
 
 
-@pytest.mark.parametrize('operator', ['async', 'python'])
+@pytest.mark.parametrize('operator', ['async', 'exchange'])
 def test_timed_out_exchanges_are_not_kept(operator):
-    # A device that never calls leaves nothing behind in either meeting (the
-    # native session's, the Python operator's barrier) after each timeout.
+    # A device that never calls leaves no meeting behind in the native
+    # session after each timeout.
     out = python(TIMED_OUT, GLUON_SYNCBN_BACKEND=operator)
     assert out.returncode == 0, out.stderr[-3000:]
     assert [reported(out, 'STEP%d' % i) for i in range(3)] == ['True'] * 3, out.stdout
-    assert reported(out, 'PENDING' if operator == 'async' else 'BARRIER') == '0', out.stdout
+    assert reported(out, 'PENDING') == '0', out.stdout
 
 
 def test_the_users_build_has_no_test_entry_points():

@@ -5,55 +5,55 @@ and set of devices, with its reason.
 
 ``auto`` (default)
     the asynchronous operator on CPU contexts, the exchange operator on GPUs;
-    in one process, where the one a layer needs cannot be had (no C++
-    compiler, no MXNet headers, a failed self-test), the Python operator,
-    with one warning saying why;
 ``async``
     the asynchronous operator, or an error saying why it cannot be had (and
     for layers on GPUs, which it cannot run);
 ``exchange``
     the exchange operator, on CPU contexts too (they then take the GPUs' path:
-    MXNet's operators compute the moments), or an error saying why not;
-``python``
-    the Python operator for every layer of one process.
+    MXNet's operators compute the moments), or an error saying why not.
 
-Across processes (kvstore, Horovod) the native operators are required: a
-cross-process layer that cannot have one raises at its first call with the
-reason and the fix.
+The native operators are required wherever a layer synchronizes, in one
+process as across processes (kvstore, Horovod): a layer that cannot have the
+one it needs (no C++ compiler, no MXNet headers, a cache that cannot be
+written, a failed self-test) raises at its first synchronized call with the
+reason and the fix. A layer on one device in one process needs none: it is
+``nn.BatchNorm`` there.
 """
 import collections
 import os
 
 from .. import native
 from ..cpu_contexts import on_cpu_path
-from ..errors import SyncBatchNormError, warn_user
+from ..errors import SyncBatchNormError
 from ..session import SESSION
 from ..transport import LocalTransport
 from .native_backends import AsyncBackend, ExchangeBackend
-from .python_backend import PythonBackend
 
 __all__ = ['make_backend', 'requested_backend', 'explain', 'Choice']
 
 BACKEND_VARIABLE = 'GLUON_SYNCBN_BACKEND'
-BACKENDS = ('auto', 'async', 'exchange', 'python')
+BACKENDS = ('auto', 'async', 'exchange')
 RENAMED_VARIABLE = 'GLUON_SYNCBN_OPERATOR'  # its values were auto, native and python
-FALLBACK = ('its layers run the Python operator (the same results, about 10-40x the host '
-            'cost per call)')
+INSTEAD = 'auto (or unset it), async (CPU contexts) or exchange (GPUs)'
 
 # A backend and why it was chosen (or, with backend None, why none can run).
 Choice = collections.namedtuple('Choice', 'backend reason')
-_warned = set()
 
 
 def requested_backend():
-    """``'auto'``, ``'async'``, ``'exchange'`` or ``'python'``, from
-    ``GLUON_SYNCBN_BACKEND``; raises on any other value."""
+    """``'auto'``, ``'async'`` or ``'exchange'``, from ``GLUON_SYNCBN_BACKEND``;
+    raises on any other value."""
     if os.environ.get(RENAMED_VARIABLE) is not None:
         raise SyncBatchNormError(
-            '%s is no longer read: set %s=auto, async (CPU contexts), exchange (GPUs) or '
-            'python instead, and unset %s.' % (RENAMED_VARIABLE, BACKEND_VARIABLE,
-                                               RENAMED_VARIABLE))
+            '%s is no longer read: set %s=auto, async (CPU contexts) or exchange (GPUs) '
+            'instead, and unset %s.' % (RENAMED_VARIABLE, BACKEND_VARIABLE, RENAMED_VARIABLE))
     value = os.environ.get(BACKEND_VARIABLE, 'auto').strip().lower() or 'auto'
+    if value == 'python':
+        raise SyncBatchNormError(
+            '%s=python: there is no Python operator; a layer that synchronizes runs a native '
+            'operator, built with a C++ compiler at its first call (`python -m gluon_syncbn` '
+            'says whether it can be here, and why). Set %s=%s.'
+            % (BACKEND_VARIABLE, BACKEND_VARIABLE, INSTEAD))
     if value not in BACKENDS:
         raise SyncBatchNormError('%s=%r: use %s.' % (BACKEND_VARIABLE, value,
                                                       ', '.join(BACKENDS)))
@@ -92,52 +92,42 @@ def _fix():
 
 def choose(devices, transport, requested=None):
     """The :class:`Choice` for a layer on ``devices`` (context strings) over
-    ``transport``; ``backend`` is ``'async'``, ``'exchange'``, ``'python'``
-    or None (nothing can run it: ``reason`` says why and how to fix it).
-    May build and load the native library and run a self-test."""
+    ``transport``; ``backend`` is ``'async'``, ``'exchange'`` or None
+    (nothing can run it: ``reason`` says why and how to fix it). May build
+    and load the native library and run a self-test."""
     requested = requested or requested_backend()
     on_cpu = on_cpu_path(devices)
     where = 'across processes' if transport.cross_process else 'in one process'
-    if requested == 'python':
-        if transport.cross_process:
-            return Choice(None, '%s=python, but across processes the native operators are '
-                                'required. Unset %s.' % (BACKEND_VARIABLE, BACKEND_VARIABLE))
-        return Choice('python', '%s=python' % BACKEND_VARIABLE)
-    name = requested if requested != 'auto' else ('async' if on_cpu else 'exchange')
+    natural = 'async' if on_cpu else 'exchange'
+    name = natural if requested == 'auto' else requested
     why = _why_not(name, devices, on_cpu, transport)
     if not why:
         return Choice(name, 'the %s operator, native and self-tested, %s' % (
             'asynchronous' if name == 'async' else 'exchange',
             'for %s %s' % ('CPU contexts' if on_cpu else 'GPUs', where)
             if requested == 'auto' else 'as %s=%s asks' % (BACKEND_VARIABLE, requested)))
-    if transport.cross_process:
-        return Choice(None, 'across processes the native operators are required, but %s.%s'
-                      % (why, _fix()))
-    if requested != 'auto':
-        fix = native.status()['fix']
-        return Choice(None, '%s=%s, but %s. %s %s to let the library choose (it falls back '
-                      'to the Python operator).' % (
-                          BACKEND_VARIABLE, requested, why,
-                          fix + ', or unset' if fix else 'Unset', BACKEND_VARIABLE))
-    return Choice('python', why)
+    if requested == 'auto' or transport.cross_process:
+        head = '%sthe native operators are required' % (
+            'across processes ' if transport.cross_process else '')
+    else:
+        head = '%s=%s' % (BACKEND_VARIABLE, requested)
+    # Where the library is there, an operator the setting asks for against
+    # the devices' own is the setting's doing.
+    advice = _fix() or (' Unset %s to let the library choose.' % BACKEND_VARIABLE
+                        if requested not in ('auto', natural) else '')
+    return Choice(None, '%s, but %s.%s' % (head, why, advice))
 
 
 def make_backend(layer, devices, transport):
-    """The backend that runs ``layer``'s training calls on ``devices``."""
+    """The backend that runs ``layer``'s training calls on ``devices``;
+    raises, naming the reason and the fix, where none can."""
     SESSION.load_native()
     choice = choose(devices, transport)
     if choice.backend is None:
         raise SyncBatchNormError("SyncBatchNorm '%s': %s" % (layer.name, choice.reason))
-    if choice.backend == 'python':
-        if requested_backend() == 'auto' and choice.reason not in _warned:
-            _warned.add(choice.reason)
-            warn_user('gluon_syncbn: %s; %s.%s Set %s=python to silence this.' % (
-                choice.reason, FALLBACK, _fix(), BACKEND_VARIABLE))
-        backend = PythonBackend(layer, devices, transport)
-    else:
-        cls, functions = ((AsyncBackend, native.async_operator()) if choice.backend == 'async'
-                          else (ExchangeBackend, native.exchange_operator()))
-        backend = cls(layer, devices, transport, native.load(), functions)
+    cls, functions = ((AsyncBackend, native.async_operator()) if choice.backend == 'async'
+                      else (ExchangeBackend, native.exchange_operator()))
+    backend = cls(layer, devices, transport, native.load(), functions)
     backend.reason = choice.reason
     SESSION.add(backend)
     return backend

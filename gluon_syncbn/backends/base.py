@@ -48,8 +48,6 @@ class Backend(object):
     """
 
     name = None
-    # Whether the operators may touch the layer's arrays in place.
-    host_memory = False
 
     def __init__(self, layer, devices, transport):
         self.layer_name = layer.name
@@ -90,9 +88,6 @@ class Backend(object):
         """Device ``device``'s :class:`~gluon_syncbn.stats.Tally` since
         :meth:`start_tally`, once its calls have completed."""
         raise NotImplementedError
-
-    def fail_pending(self, cause):
-        """Wake this layer's calls that wait in Python with ``cause``."""
 
     def running_arrays(self, device):
         """Device ``device``'s running mean and variance (the layer's own arrays)."""

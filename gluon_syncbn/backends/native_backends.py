@@ -72,11 +72,10 @@ class _NativeTallies(object):
 
 class AsyncBackend(_NativeTallies, Backend):
     """The asynchronous operator (``native/async_op.h``): the whole call in
-    one operator of MXNet's own kind, without a custom operator's threads.
-    It reads and writes every float dtype as it is, so no Cast surrounds it."""
+    one operator of MXNet's own kind. It reads and writes every float dtype
+    as it is, so no Cast surrounds it."""
 
     name = 'async'
-    host_memory = True
 
     def __init__(self, layer, devices, transport, lib, functions):
         super(AsyncBackend, self).__init__(layer, devices, transport)
@@ -96,7 +95,6 @@ class ExchangeBackend(_NativeTallies, VectorBackend):
     moments MXNet's operators compute on the device."""
 
     name = 'exchange'
-    cache_imperative = True
 
     def __init__(self, layer, devices, transport, lib, functions):
         super(ExchangeBackend, self).__init__(layer, devices, transport)

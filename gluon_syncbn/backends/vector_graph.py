@@ -1,5 +1,4 @@
-"""The graph around the vector operators: the exchange operator (GPUs) and
-the Python operator (the fallback in one process).
+"""The graph around a vector operator, the exchange operator (GPUs).
 
 MXNet's own operators compute each device's per-channel moments of the input
 (on the device, on GPUs), the backend's operator synchronizes those vectors
@@ -36,11 +35,9 @@ def _channels_in_middle(F, x, axis):
 
 
 class VectorBackend(Backend):
-    """A backend whose operator sees per-channel vectors; subclasses supply
-    the operator (:meth:`_exchange`)."""
-
-    # Run imperative calls as one CachedOp per input dtype (see _cached_op).
-    cache_imperative = False
+    """A backend whose operator sees per-channel vectors; the subclass
+    supplies the operator (:meth:`_exchange`). Imperative calls run as one
+    CachedOp per input dtype (:meth:`_cached_op`)."""
 
     def __init__(self, layer, devices, transport):
         super(VectorBackend, self).__init__(layer, devices, transport)
@@ -50,7 +47,7 @@ class VectorBackend(Backend):
                 imperative):
         if imperative and x.size == 0:
             return self._empty_slice(F, x, gamma, beta, running_mean, running_var, dtype)
-        if imperative and self.cache_imperative:
+        if imperative:
             op, order = self._cached_op(dtype, dtype_name(gamma.dtype), x.ndim)
             arrays = (x, gamma, beta, running_mean, running_var)
             return op(*[arrays[i] for i in order])
@@ -101,8 +98,7 @@ class VectorBackend(Backend):
         half = dtype in LOW_PRECISION
         # Statistics in at least float32: float16 input is widened, then narrowed back.
         xs = F.Cast(x, dtype='float32') if half else x
-        if (not imperative and dtype == 'float32' and not self.host_memory
-                and amp_initialized()):
+        if not imperative and dtype == 'float32' and amp_initialized():
             # Under AMP (amp.init()) a traced graph is fed float16 it cannot
             # see: amp_cast widens float16/bfloat16 and leaves float32 alone.
             # (Not for float64 networks: on CPU it is MKL-DNN's and refuses it.)

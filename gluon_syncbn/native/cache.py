@@ -15,10 +15,10 @@ Where the cache cannot be trusted (``GLUON_SYNCBN_CACHE`` set to a shared
 directory, say, or a file in it handed to another user), the library is
 built in a private place instead, with one warning naming the path and the
 reason: the user's own default cache if that can be trusted, else a new
-temporary directory of this process's (0700). Refusing outright would leave
-a job of one process on the Python operator, 10-40x slower, for a problem of
-where the cache is; building privately costs one build (about 30 s) where it
-happens, and the warning says how to end it.
+temporary directory of this process's (0700). Refusing outright would stop
+every job that synchronizes for a problem of where the cache is; building
+privately costs one build (about 30 s) where it happens, and the warning
+says how to end it.
 """
 import glob
 import hashlib
