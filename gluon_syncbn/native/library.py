@@ -2,8 +2,8 @@
 of ``syncbn.cc``, declared and called here and nowhere else.
 
 A layer's state in the native session is an integer handle (the operators' ``layer``
-argument); a transport is an integer id; failures come back as
-``(kind, message)`` records.
+argument); a transport is an integer id. The operators' failures reach
+Python through MXNet, as the errors of the operations they complete.
 """
 import ctypes
 
@@ -47,8 +47,7 @@ class Library(object):
                  c.c_int),
                 ('gsbn_step', [c.c_int], c.c_uint64),
                 ('gsbn_abort', [c.c_char_p, c.c_int], None),
-                ('gsbn_error', [c.c_int, c.c_char_p, c.c_int, c.c_char_p, c.c_int], c.c_int),
-                ('gsbn_fail_python_call', [c.c_void_p, c.c_void_p, c.c_char_p], c.c_int),
+                ('gsbn_broken', [c.c_char_p, c.c_int], c.c_int),
                 ('gsbn_transport_create', [c.c_char_p, c.c_void_p, c.c_int, c.c_int, c.c_int,
                                            c.c_char_p, c.c_double], c.c_int),
                 ('gsbn_transport_close', [c.c_int, c.c_char_p], None),
@@ -125,31 +124,11 @@ class Library(object):
     def abort(self, cause, exiting):
         self._lib.gsbn_abort(str(cause).encode('utf-8', 'replace'), int(exiting))
 
-    def _error(self, which):
-        kind, text = ctypes.create_string_buffer(64), ctypes.create_string_buffer(_TEXT)
-        if not self._lib.gsbn_error(which, kind, len(kind), text, len(text)):
-            return None
-        return kind.value.decode(), text.value.decode('utf-8', 'replace')
-
-    def take_errors(self):
-        """``[(kind, message)]``: the failures recorded since the last call, oldest first."""
-        records = []
-        record = self._error(0)
-        while record is not None:
-            records.append(record)
-            record = self._error(0)
-        return records
-
-    def cause(self):
-        """The cause of the last abort."""
-        return self._error(1)[1]
-
     def broken(self):
         """Why cross-process synchronization broke, or ''."""
-        return self._error(2)[1]
-
-    def fail_python_call(self, hold, probe, message):
-        return self._lib.gsbn_fail_python_call(hold, probe, message.encode('utf-8', 'replace'))
+        text = ctypes.create_string_buffer(_TEXT)
+        self._lib.gsbn_broken(text, len(text))
+        return text.value.decode('utf-8', 'replace')
 
     def create_transport(self, kind, target=None, sum_op=0, rank=0, workers=1, name='',
                          exit_grace=30.0):

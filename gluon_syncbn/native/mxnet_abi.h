@@ -16,8 +16,8 @@
 //     by libmxnet (NNSymbolCreateAtomicSymbol) and wired through NodeLayout;
 //     NodeAttrs::dict is only iterated (its leading fields agree).
 // gluon_syncbn/selftest.py checks these facts in a subprocess before the
-// library registers either operator; where it fails, a layer in one process
-// runs the Python operator, and one across processes raises.
+// library registers either operator; where it fails, a layer that needs the
+// operator raises at its first synchronized call.
 #pragma once
 #include <functional>  // the standard headers MXNet's use, before the #define
 #include <iostream>

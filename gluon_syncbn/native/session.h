@@ -17,7 +17,6 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
-#include <deque>
 #include <functional>
 #include <map>
 #include <memory>
@@ -35,8 +34,8 @@
 namespace {
 
 // ---------------------------------------------------------------- session --
-// Shared by every layer of the process: the current step's token, the cause of
-// the last abort, and failures waiting to be reported to Python.
+// Shared by every layer of the process: the current step's token and the
+// cause of the last abort.
 
 struct Meeting;
 struct Layer;
@@ -47,9 +46,6 @@ std::mutex& g_mutex = *new std::mutex();  // guards every structure below and ev
 uint64_t g_token = 0;        // the current step; advanced by every abort
 uint64_t g_issue_token = 0;  // what calls issued now get: g_token as of the step's start
 std::string& g_cause = *new std::string();
-// (kind, message): the failures not yet handed to Python, oldest first.
-std::deque<std::pair<std::string, std::string>>& g_errors =
-    *new std::deque<std::pair<std::string, std::string>>();
 // Every layer by its handle (the operators' `layer` argument), handed out
 // once per layer and never reused.
 std::map<int64_t, std::shared_ptr<Layer>>& g_layers =
@@ -75,13 +71,6 @@ bool g_watchdog_started = false;
 std::chrono::steady_clock::time_point g_watchdog_wake;
 
 typedef std::tuple<int, uint64_t, int64_t> Key;  // (0 fwd / 1 bwd, token, call number)
-
-void record_locked(const std::string& kind, const std::string& message) {
-  const auto entry = std::make_pair(kind, message);
-  for (const auto& e : g_errors) if (e == entry) return;
-  if (g_errors.size() >= 8) g_errors.pop_front();
-  g_errors.push_back(entry);
-}
 
 // A device's continuation: called once, with the error or
 // with its sync group's sum, after the lock is released (run_pending).
@@ -160,8 +149,6 @@ void dispatch_locked(Layer& g, const Key& key, const std::shared_ptr<Meeting>& e
     if (ex->error.empty())
       sum.assign(ex->result.begin() + g.sync_group_of[w.first] * size,
                  ex->result.begin() + (g.sync_group_of[w.first] + 1) * size);
-    else
-      record_locked(ex->kind, ex->error);
     g_pending.emplace_back(std::move(w.second), ex->error, std::move(sum));
     release_locked(g, key, ex);
   }
@@ -552,7 +539,6 @@ std::string layers_differ(const Layer& g, const std::vector<double>& own,
 bool setup_failed(const std::shared_ptr<Transport>& t, const std::string& error) {
   std::lock_guard<std::mutex> lock(g_mutex);
   g_remote_rank = t->rank;
-  record_locked("SyncBatchNormError", error);
   fatal_locked(error);
   return false;
 }
@@ -681,10 +667,8 @@ void meet_async(Layer& g, const Key& key, int device, std::vector<double> value,
       std::thread(watchdog).detach();
     }
     if (std::get<1>(key) != g_token) {
-      record_locked("SyncBatchNormError", stale_message(g.name));
       g_pending.emplace_back(std::move(done), stale_message(g.name), std::vector<double>());
     } else if (g.transport && !g_broken.empty()) {
-      record_locked("SyncBatchNormError", broken_message(g));
       g_pending.emplace_back(std::move(done), broken_message(g), std::vector<double>());
     } else {
       const int n = static_cast<int>(g.devices.size());
@@ -720,8 +704,7 @@ void add_to_tally(Layer& g, int device, const Info& stats) {
 }
 
 // Numbers a forward call of `device`: sets its step token and call number, or
-// returns false with `error` set (and recorded) for a call of a step that
-// failed earlier. `issued` is the token the call got when it was issued;
+// returns false with `error` set for a call of a step that failed earlier. `issued` is the token the call got when it was issued;
 // static graphs create their operators once, so there the call's is the
 // token stamped before it (gsbn_stamp_static), or, where no stamp ran, the
 // current one.
@@ -732,7 +715,6 @@ bool number_call(Layer& g, int device, bool static_graph, uint64_t issued, uint6
   *token = !static_graph ? issued : stamped ? stamped - 1 : g_token;
   if (*token != g_token) {
     *error = stale_message(g.name);
-    record_locked("SyncBatchNormError", *error);
     return false;
   }
   if (*token != g.counter_token) {
@@ -743,14 +725,13 @@ bool number_call(Layer& g, int device, bool static_graph, uint64_t issued, uint6
   return true;
 }
 
-// False with `error` set (and recorded) if a backward call of `g` issued
-// with `issued` belongs to a step that failed since.
+// False with `error` set if a backward call of `g` issued with `issued`
+// belongs to a step that failed since.
 bool backward_current(const Layer& g, bool static_graph, uint64_t issued, std::string* error) {
   if (static_graph) return true;
   std::lock_guard<std::mutex> lock(g_mutex);
   if (issued == g_token) return true;
   *error = stale_message(g.name);
-  record_locked("SyncBatchNormError", *error);
   return false;
 }
 

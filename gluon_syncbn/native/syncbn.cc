@@ -14,10 +14,9 @@
 //                 (continuations, whose deadlines a watchdog thread keeps),
 //                 recovery: every failure (a timeout, devices that disagree,
 //                 a call of an aborted step) aborts the step; the token
-//                 advances, every waiting meeting fails at once with the
-//                 cause, and the cause is queued for Python (gsbn_error).
-//                 Python's Session calls gsbn_abort for failures it sees
-//                 first. One token, one path.
+//                 advances and every waiting meeting fails at once with the
+//                 cause. Python's Session calls gsbn_abort for failures it
+//                 sees first. One token, one path.
 //   sync_call.h   the protocol of both operators' calls (SyncCall): state,
 //                 numbering, checks, exchange, continuation, completion;
 //   stats.h       the maths in float64: gluon_syncbn/stats.py's functions
@@ -27,8 +26,7 @@
 //                 (gluon_syncbn/messages.py's templates).
 //   arrays.h      reading and writing host arrays as the dtypes they have.
 //   params.h      the operators' string arguments.
-//   failures.h    how failed operations complete (MXNet's unlocked error list),
-//                 the Python operator's included.
+//   failures.h    how failed operations complete (MXNet's unlocked error list).
 //   mxnet_abi.h   every reliance on libmxnet's C++ ABI.
 //
 // Reliance on MXNet 1.9.1 behaviour is listed with the Python side's in
@@ -213,29 +211,11 @@ uint64_t gsbn_step(int begin) {
 // Aborts the step; `exiting`: at interpreter exit, which is never fatal.
 void gsbn_abort(const char* cause, int exiting) { abort_step(cause, exiting != 0); }
 
-// An error record, copied into kind and text: `which` 0, the oldest failure
-// not yet taken (returns 0 if there is none); 1, the cause of the last
-// abort; 2, why cross-process synchronization broke ("" if it did not).
-int gsbn_error(int which, char* kind, int kind_size, char* text, int text_size) {
+// Why cross-process synchronization broke ("" if it did not; fatal_locked),
+// copied into `text`; returns its length.
+int gsbn_broken(char* text, int text_size) {
   std::lock_guard<std::mutex> lock(g_mutex);
-  std::pair<std::string, std::string> record("SyncBatchNormError", "");
-  if (which == 0) {
-    if (g_errors.empty()) return 0;
-    record = g_errors.front();
-    g_errors.pop_front();
-  } else {
-    record.second = which == 1 ? g_cause : g_broken;
-  }
-  copy_out(record.first, kind, kind_size);
-  copy_out(record.second, text, text_size);
-  return 1;
-}
-
-// Fails the Python operator's call whose callback got the arrays `hold` and
-// `probe` with `message`, after the calls failed before it (see failures.h,
-// fail_python_call); 0 if the failure was queued.
-int gsbn_fail_python_call(NDArrayHandle hold, NDArrayHandle probe, const char* message) {
-  return fail_python_call(hold, probe, message);
+  return copy_out(g_broken, text, text_size);
 }
 
 // A cross-process transport (transport.h), returning its id: "kvstore"
