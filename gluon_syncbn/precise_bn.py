@@ -5,7 +5,7 @@ weights fixed, exactly, and identically on every device and worker.
 The running statistics a network trains with are an exponential average of
 its last batches' statistics, seen while the weights still moved. Here the
 network runs in training mode without recording, and each layer's training
-calls are tallied (:class:`~gluon_syncbn.stats.Tally`):
+calls are tallied (:class:`~gluon_syncbn.tally.Tally`):
 
 * a SyncBatchNorm layer that synchronizes tallies, on every device, the
   global statistics each call normalizes with, where the native session
@@ -34,7 +34,7 @@ from .block import SyncBatchNorm
 from .errors import SyncBatchNormError, warn_user
 from .hooks import blocks_of, imperatively
 from .session import drain
-from .stats import Tally
+from .tally import Tally
 
 __all__ = ['update_bn_stats']
 

@@ -1,4 +1,4 @@
-"""native/stats.h against gluon_syncbn/stats.py on the same inputs.
+"""native/stats.h against tests/stats.py on the same inputs.
 
 The tests' build of the library (``GLUON_SYNCBN_TESTING``, see conftest,
 which adds ``gsbn_test_stats``: ``tests/native_testing.h``) is loaded and called through ctypes: no
@@ -12,8 +12,8 @@ import ctypes
 import numpy as np
 import pytest
 
-from gluon_syncbn import native, stats
-from tests import native_testing
+from gluon_syncbn import native
+from tests import native_testing, stats
 
 C = 7
 EXACT = ('forward', 'n', 'mean', 'var', 'scale', 'shift', 'contribution', 'd_gamma')

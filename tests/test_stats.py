@@ -7,7 +7,7 @@ MXNet.
 import numpy as np
 import pytest
 
-from gluon_syncbn import stats
+from tests import stats
 from tests.reference import batchnorm_float64, max_rel_err
 
 
@@ -22,7 +22,7 @@ def local_moments(x):
 
 
 def sync_bn(parts, dys, gamma, beta, eps=1e-5):
-    """Forward and backward of SyncBN over ``parts`` using only gluon_syncbn.stats."""
+    """Forward and backward of SyncBN over ``parts`` using only tests/stats.py."""
     moments = [local_moments(p) for p in parts]
     total = sum(stats.forward_contribution(p.size // p.shape[1], m1, m2, v)
                 for p, (_, m1, m2, v) in zip(parts, moments))

@@ -76,7 +76,7 @@ class Backend(object):
 
     def start_tally(self):
         """Start tallying the global statistics of this layer's training calls
-        on every device (see :class:`~gluon_syncbn.stats.Tally`), from empty
+        on every device (see :class:`~gluon_syncbn.tally.Tally`), from empty
         tallies; no call may be in flight."""
         raise NotImplementedError
 
@@ -85,7 +85,7 @@ class Backend(object):
         raise NotImplementedError
 
     def tally(self, device):
-        """Device ``device``'s :class:`~gluon_syncbn.stats.Tally` since
+        """Device ``device``'s :class:`~gluon_syncbn.tally.Tally` since
         :meth:`start_tally`, once its calls have completed."""
         raise NotImplementedError
 

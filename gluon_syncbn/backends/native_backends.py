@@ -6,7 +6,7 @@ removed with it; the operators take it as their ``layer`` argument.
 """
 import weakref
 
-from ..stats import Tally
+from ..tally import Tally
 from .base import Backend
 from .vector_graph import VectorBackend
 

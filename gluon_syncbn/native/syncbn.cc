@@ -19,7 +19,7 @@
 //                 sees first. One token, one path.
 //   sync_call.h   the protocol of both operators' calls (SyncCall): state,
 //                 numbering, checks, exchange, continuation, completion;
-//   stats.h       the maths in float64: gluon_syncbn/stats.py's functions
+//   stats.h       the maths in float64: tests/stats.py's functions
 //                 (same names) and the asynchronous operator's loops;
 //   wire.h        the exchanged vectors' layouts (gluon_syncbn/wire.py's).
 //   messages.h    the wording of failures both languages report

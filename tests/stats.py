@@ -1,12 +1,17 @@
-"""The statistics of synchronized batch normalization, in float64 NumPy.
+"""The statistics of synchronized batch normalization, in float64 NumPy: the
+tests' oracle for the native library's maths (``native/stats.h`` has these
+functions under the same names, checked against these by
+``test_native_stats.py``; ``test_stats.py`` checks these against NumPy on
+the concatenated batch).
 
-Every device summarizes its slice of the batch as *local moments* computed by
-MXNet's native reductions (see :mod:`gluon_syncbn.block`):
+Every device summarizes its slice of the batch as *local moments* (on the
+GPU path computed by MXNet's reductions, ``backends/vector_graph.py``; the
+asynchronous operator computes its own, ``native/stats.h``):
 
 ``m1``
     the local mean of ``x`` per channel (a float32 estimate), used as a
     constant: the output does not depend on where we center, so no gradient
-    flows through ``m1`` (the block wraps it in BlockGrad);
+    flows through ``m1`` (the graph wraps it in BlockGrad);
 ``m2``
     the mean of ``x - m1`` (the small correction that makes ``m1 + m2`` exact);
 ``v``
@@ -23,17 +28,16 @@ about ``1e-16 * mean**2 / var`` relative.
 Backward needs the global sums of ``dy`` and ``dy * (x - mean)`` (one
 all-reduce of ``2*C`` numbers), those of the textbook formula.
 
-The vectors' layouts are :mod:`gluon_syncbn.wire`'s. ``native/stats.h`` has
-these functions under the same names for the native operators.
+The vectors' layouts are :mod:`gluon_syncbn.wire`'s.
 
 All functions take and return 1-D float64 arrays of length ``C`` (channels).
 """
 import numpy as np
 
-from . import wire
+from gluon_syncbn import wire
 
 __all__ = ['forward_contribution', 'merge', 'normalize_coefficients',
-           'backward_contribution', 'local_moment_grads', 'Tally']
+           'backward_contribution', 'local_moment_grads']
 
 
 def forward_contribution(count, m1, m2, v):
@@ -85,52 +89,3 @@ def local_moment_grads(total, count, n, mean, local_mean, gamma, inv_std):
     d_m2 = g_delta * w + g_var * 2.0 * w * (local_mean - mean)
     d_v = g_var * w
     return d_m2, d_v
-
-
-class Tally(object):
-    """Over a run of training calls (:func:`gluon_syncbn.update_bn_stats`):
-    their number and the float64 sums of each call's ``n``, ``n * mean`` and
-    ``n * var``, so that the averages weighted by ``n`` are :meth:`average`
-    (``native/stats.h`` has it too). Tallies of calls on different slices
-    add up (``+``).
-
-    Parameters
-    ----------
-    calls : int
-        Training calls tallied.
-    n : float
-        Their samples per channel.
-    mean_sum, var_sum : array of float64, or None (no call)
-        Sums of ``n * mean`` and ``n * var`` (biased variance) per channel.
-    """
-
-    def __init__(self, calls=0, n=0.0, mean_sum=None, var_sum=None):
-        self.calls, self.n = calls, float(n)
-        self.mean_sum = None if mean_sum is None else np.asarray(mean_sum, np.float64)
-        self.var_sum = None if var_sum is None else np.asarray(var_sum, np.float64)
-
-    def add(self, n, mean, var):
-        """Tally one call with statistics ``n``, ``mean``, ``var``: float64
-        NumPy arrays, or float64 NDArrays, which then stay on their device
-        (``.asnumpy()`` the sums to read them)."""
-        self.calls += 1
-        self.n += n
-        if self.mean_sum is None:
-            self.mean_sum, self.var_sum = mean * n, var * n
-        else:
-            self.mean_sum += mean * n
-            self.var_sum += var * n
-
-    def __add__(self, other):
-        if other.mean_sum is None:
-            return Tally(self.calls, self.n, self.mean_sum, self.var_sum)
-        if self.mean_sum is None:
-            return other + self
-        return Tally(self.calls + other.calls, self.n + other.n,
-                     self.mean_sum + other.mean_sum, self.var_sum + other.var_sum)
-
-    def average(self):
-        """``(mean, var)`` weighted by each call's ``n``; None without samples."""
-        if self.mean_sum is None or self.n <= 0:
-            return None
-        return self.mean_sum / self.n, self.var_sum / self.n
