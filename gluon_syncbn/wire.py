@@ -8,10 +8,6 @@ Every vector is float64 and ``C`` is the channel count.
 ``BACKWARD`` ``[sum dy (C), sum dy*(x - mean) (C)]``
     with the global ``mean``; summed over devices they give the two means of
     the backward formula.
-``INFO``     ``[token, call, n, mean (C), var (C)]``
-    the operators' ``info`` output: the step and call number the forward call
-    had (its backward pairs by them) and the global statistics. ``call < 0``
-    marks a call made in inference mode.
 ``CHECKED``  ``[one row per worker: channels, call, dtype][vector...][ownership]``
     a vector sent to other workers (by the native session only). Each worker
     fills its own row (the others are 0), so the sum brings every worker's,
@@ -37,10 +33,8 @@ in float32.
 """
 import numpy as np
 
-__all__ = ['pack_forward', 'unpack_forward', 'pack_backward', 'unpack_backward', 'pack_info',
-           'unpack_info', 'info_size', 'channels_of']
+__all__ = ['pack_forward', 'unpack_forward', 'pack_backward', 'unpack_backward']
 
-INFO_HEAD = 3  # token, call, n
 DTYPES = ('', 'float32', 'float64', 'float16', 'bfloat16')  # CHECKED and LAYER dtype codes
 
 
@@ -64,23 +58,3 @@ def unpack_backward(total):
     """``(sum dy, sum dy*(x - mean))`` from a summed ``BACKWARD`` vector."""
     channels = total.size // 2
     return total[:channels], total[channels:]
-
-
-def info_size(channels):
-    return INFO_HEAD + 2 * channels
-
-
-def pack_info(token, call, n, mean, var):
-    return np.concatenate(([float(token), float(call), float(n)], mean, var))
-
-
-def unpack_info(info):
-    """``(token, call, n, mean, var)``; token and call as ints."""
-    channels = (info.size - INFO_HEAD) // 2
-    return (int(info[0]), int(info[1]), info[2], info[INFO_HEAD:INFO_HEAD + channels],
-            info[INFO_HEAD + channels:])
-
-
-def channels_of(direction, vector):
-    """Channels of a ``FORWARD`` (``direction='fwd'``) or ``BACKWARD`` vector."""
-    return (len(vector) - 1) // 2 if direction == 'fwd' else len(vector) // 2
