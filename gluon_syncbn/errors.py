@@ -1,20 +1,39 @@
-"""The exceptions gluon_syncbn raises, and how warnings reach the user's code."""
+"""The exceptions gluon_syncbn raises, and how warnings reach the user's code.
+
+The native operators fail an operation with a text that starts with the
+exception's name (``native/failures.h``, ``failure_text``); both classes are
+registered under their names in MXNet's registry of error types
+(``mxnet.error.register``), so wherever MXNet raises such a failure (a read
+of an output, ``wait_to_read``, ``waitall``, a later operation; imperative,
+hybridized or static), it raises ours.
+"""
 import os
 import sys
 import warnings
 
 from mxnet.base import MXNetError
+from mxnet.error import register
 
 __all__ = ['SyncBatchNormError', 'SyncBatchNormTimeout']
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 
+@register
 class SyncBatchNormError(MXNetError):
     """A SyncBatchNorm layer could not synchronize or got bad input (an
     ``MXNetError``, as MXNet's own failures of a call are)."""
 
+    def __init__(self, message=''):
+        # MXNet hands the text of a failed operation over with the class's
+        # name first, which the exception's type already says.
+        head = type(self).__name__ + ': '
+        if isinstance(message, str) and message.startswith(head):
+            message = message[len(head):]
+        super(SyncBatchNormError, self).__init__(message)
 
+
+@register
 class SyncBatchNormTimeout(SyncBatchNormError):
     """Not every device reached the same SyncBatchNorm call within the timeout."""
 

@@ -31,6 +31,13 @@ Failures
       library fails operations one at a time (``fail_operation``) and grows
       the list once when it loads (``reserve_engine_errors``, from
       ``gsbn_init``), before any operator of ours runs.
+    * Python raises a failed operation's error as the class registered
+      (``mxnet.error.register``) under the name before the first ':' of its
+      text (``c_api_error.cc`` ``NormalizeError``, ``base.py``
+      ``get_last_ffi_error``), wherever it surfaces; the native operators'
+      failures start with ``SyncBatchNormError: `` or ``SyncBatchNormTimeout: ``
+      (``native/failures.h`` failure_text), the names ``errors.py``
+      registers.
     * A failed call leaves its exception on the arrays it writes until someone
       waits on one of them, which clears it on all (``ThrowException`` nulls
       the shared ``exception_ptr``); until then MXNet skips every operation

@@ -649,12 +649,12 @@ def _recovery_error(net, ctxs, rng, shape):
 
 
 def _fault_net(ctxs, hybridize, timeout, channels=3):
+    """Two SyncBatchNorm layers on ``ctxs``, hybridized as ``_hybridize``."""
     net = gluon.nn.HybridSequential()
     net.add(SyncBatchNorm(in_channels=channels, timeout=timeout))
     net.add(SyncBatchNorm(in_channels=channels, timeout=timeout))
     net.initialize(ctx=ctxs)
-    if hybridize:
-        net.hybridize()
+    _hybridize(net, hybridize)
     return net
 
 
@@ -720,16 +720,44 @@ def empty_slices(empty, sizes=(2, 3, 1), hybridize=False, steps=2, seed=0, numpy
 
 @scenario
 def missing_device(num_devices=3, hybridize=False, timeout_seconds=2.0, seed=0):
-    """A step where the last device gets no slice, then a normal step."""
+    """Steps of a Trainer loop where the last device gets no slice (a last
+    batch of fewer samples than devices), then a normal step. The timeout
+    is caught as ``gluon_syncbn.SyncBatchNormTimeout`` where it surfaces:
+    in the first step when the losses are read back (``asnumpy``), in the
+    second at ``mx.nd.waitall()`` (``caught``: what each raised).
+    ``hybridize``: False, True or 'static' (``_hybridize``)."""
     rng = np.random.RandomState(seed)
     ctxs = contexts(num_devices)
     shape = (num_devices, 3, 4, 4)
     net = _fault_net(ctxs, hybridize, timeout_seconds)
+    trainer = gluon.Trainer(net.collect_params(), 'sgd', {'learning_rate': 0.1})
     x = rng.randn(*shape).astype(np.float32)
     short = [mx.nd.array(x[i:i + 1], ctx=c) for i, c in enumerate(ctxs[:-1])]
-    msg, kind, seconds = _capture(lambda: _step(net, short))
-    return {'message': msg, 'type': kind, 'seconds': seconds,
-            'recovered': _recovery_error(net, ctxs, rng, shape)}
+
+    def train_step(read):
+        with autograd.record():
+            losses = [net(a).sum() for a in short]
+        autograd.backward(losses)
+        # The device without a slice has no fresh gradient: without this the
+        # Trainer refuses the step first (a UserWarning naming it).
+        trainer.step(len(short), ignore_stale_grad=True)
+        read(losses)
+
+    caught, messages, seconds = [], [], []
+    for read in (lambda losses: [l.asnumpy() for l in losses], lambda losses: mx.nd.waitall()):
+        start = time.time()
+        try:
+            train_step(read)
+            caught.append(None)
+        except gluon_syncbn.SyncBatchNormTimeout as exc:
+            caught.append('SyncBatchNormTimeout')
+            messages.append(str(exc))
+        except Exception as exc:  # pylint: disable=broad-except
+            caught.append(type(exc).__name__)
+            messages.append(str(exc))
+        seconds.append(time.time() - start)
+    return {'message': messages[0] if messages else None, 'caught': caught,
+            'seconds': seconds[0], 'recovered': _recovery_error(net, ctxs, rng, shape)}
 
 
 @scenario

@@ -16,10 +16,13 @@ def each_operator(operator):
     """Every test here runs with the native asynchronous and exchange operators."""
 
 
-@pytest.mark.parametrize('hybridize', [False, True])
+@pytest.mark.parametrize('hybridize', [False, True, 'static'])
 def test_missing_device_times_out_with_last_batch_advice(hybridize):
     r = run_scenario('missing_device', timeout=120, hybridize=hybridize,
                      timeout_seconds=2.0)
+    # In a Trainer loop, `except gluon_syncbn.SyncBatchNormTimeout` catches
+    # it, read back from a loss (asnumpy) as from mx.nd.waitall().
+    assert r['caught'] == ['SyncBatchNormTimeout'] * 2, r
     assert r['message'] is not None
     # Worded by messages.py's template, whichever backend raised it.
     assert re.search(r"SyncBatchNorm 'syncbatchnorm0': only 2 of 3 devices \(cpu\(0\), "

@@ -12,6 +12,8 @@
 //     (fail_operation), on the thread that holds the lock;
 //   * the list gets room before the first layer's first call
 //     (reserve_engine_errors), so no append moves it.
+// Each failure is raised in Python as the exception its text names first
+// (failure_text).
 #pragma once
 #include <mxnet/c_api.h>
 #include <mxnet/engine.h>
@@ -22,7 +24,25 @@
 
 namespace {
 
-// Completes an engine operation with `error`, one failure at a time.
+// The exceptions Python raises for our failed operations, by the names
+// gluon_syncbn/errors.py registers them under with MXNet.
+const char* const kSyncBatchNormError = "SyncBatchNormError";
+const char* const kSyncBatchNormTimeout = "SyncBatchNormTimeout";
+
+// What an operation of ours fails with: `message` after the name of the
+// exception Python raises for it ("SyncBatchNormTimeout: SyncBatchNorm
+// 'bn2': ..."). MXNet's C API takes what precedes the first ':' of an
+// error's first line for its type (c_api_error.cc, NormalizeError), and its
+// Python side raises the class registered under that name (base.py,
+// get_last_ffi_error) wherever the error surfaces: asnumpy, wait_to_read,
+// waitall, a later operation.
+std::string failure_text(const std::string& message,
+                         const std::string& kind = kSyncBatchNormError) {
+  return kind + ": " + message;
+}
+
+// Completes an engine operation with `error` (failure_text's), one failure
+// at a time.
 void fail_operation(const mxnet::engine::CallbackOnComplete& on_complete,
                     const std::string& error) {
   static std::mutex* one_at_a_time = new std::mutex;  // never destroyed: used at exit

@@ -26,6 +26,7 @@
 #include <tuple>
 #include <vector>
 
+#include "failures.h"
 #include "messages.h"
 #include "stats.h"
 #include "transport.h"
@@ -72,7 +73,7 @@ std::chrono::steady_clock::time_point g_watchdog_wake;
 
 typedef std::tuple<int, uint64_t, int64_t> Key;  // (0 fwd / 1 bwd, token, call number)
 
-// A device's continuation: called once, with the error or
+// A device's continuation: called once, with the error (failure_text's) or
 // with its sync group's sum, after the lock is released (run_pending).
 typedef std::function<void(const std::string& error, const std::vector<double>& sum)> Waiter;
 
@@ -82,7 +83,7 @@ struct Meeting {
   std::vector<std::string> dtypes;
   int arrived = 0, taken = 0;
   bool done = false;
-  std::string error, kind;                  // non-empty: failed with this cause
+  std::string error, kind;                  // non-empty: failed with this cause, as kind
   std::vector<double> result;
   std::vector<std::pair<int, Waiter>> waiters;  // the devices' continuations
   std::chrono::steady_clock::time_point deadline;
@@ -144,12 +145,13 @@ void release_locked(Layer& g, const Key& key, const std::shared_ptr<Meeting>& ex
 // Hand a meeting's devices their outcome (lock held).
 void dispatch_locked(Layer& g, const Key& key, const std::shared_ptr<Meeting>& ex) {
   const size_t size = ex->error.empty() ? ex->result.size() / g.num_sync_groups : 0;
+  const std::string failure = ex->error.empty() ? "" : failure_text(ex->error, ex->kind);
   for (auto& w : ex->waiters) {
     std::vector<double> sum;
     if (ex->error.empty())
       sum.assign(ex->result.begin() + g.sync_group_of[w.first] * size,
                  ex->result.begin() + (g.sync_group_of[w.first] + 1) * size);
-    g_pending.emplace_back(std::move(w.second), ex->error, std::move(sum));
+    g_pending.emplace_back(std::move(w.second), failure, std::move(sum));
     release_locked(g, key, ex);
   }
   ex->waiters.clear();
@@ -199,7 +201,7 @@ void fatal_locked(const std::string& cause) {
 // this worker's sums leave it, except at interpreter exit. Every meeting
 // goes: a call of the aborted step that arrives later is refused by its
 // token (meet_async), so none of them can be joined again.
-void abort_locked(const std::string& cause, const std::string& kind = "SyncBatchNormError",
+void abort_locked(const std::string& cause, const std::string& kind = kSyncBatchNormError,
                   bool exiting = false) {
   if (!exiting && g_remote_rank >= 0)
     fatal_locked(message("worker_step_failed",
@@ -223,7 +225,7 @@ void abort_locked(const std::string& cause, const std::string& kind = "SyncBatch
 void abort_step(const std::string& cause, bool exiting = false) {
   {
     std::lock_guard<std::mutex> lock(g_mutex);
-    abort_locked(cause, "SyncBatchNormError", exiting);
+    abort_locked(cause, kSyncBatchNormError, exiting);
   }
   run_pending();
 }
@@ -645,7 +647,7 @@ void watchdog() {
       }
     if (!failure.empty()) {
       if (remote) fatal_locked(failure);  // the other workers: see fatal_locked
-      abort_locked(failure, "SyncBatchNormTimeout");
+      abort_locked(failure, kSyncBatchNormTimeout);
       lock.unlock();
       run_pending();
       lock.lock();
@@ -667,9 +669,11 @@ void meet_async(Layer& g, const Key& key, int device, std::vector<double> value,
       std::thread(watchdog).detach();
     }
     if (std::get<1>(key) != g_token) {
-      g_pending.emplace_back(std::move(done), stale_message(g.name), std::vector<double>());
+      g_pending.emplace_back(std::move(done), failure_text(stale_message(g.name)),
+                             std::vector<double>());
     } else if (g.transport && !g_broken.empty()) {
-      g_pending.emplace_back(std::move(done), broken_message(g), std::vector<double>());
+      g_pending.emplace_back(std::move(done), failure_text(broken_message(g)),
+                             std::vector<double>());
     } else {
       const int n = static_cast<int>(g.devices.size());
       std::shared_ptr<Meeting> ex = meeting_locked(g, key);

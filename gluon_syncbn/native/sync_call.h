@@ -163,21 +163,21 @@ struct SyncCall : std::enable_shared_from_this<SyncCall> {
   SyncCall(const mxnet::OpStatePtr& state, NodeState& node, const mxnet::OpContext& ctx)
       : held(state), node(node), on_complete(ctx.async_on_complete) {}
 
-  // Completes the call, with `error` unless it is empty; only the first
-  // completion counts.
-  void complete(const std::string& error = "") {
+  // Completes the call, failed with `failure` (failure_text's) unless it is
+  // empty; only the first completion counts.
+  void complete(const std::string& failure = "") {
     if (completed.exchange(true)) return;
-    if (error.empty()) {
+    if (failure.empty()) {
       on_complete();
     } else {
-      fail_operation(on_complete, error);
+      fail_operation(on_complete, failure);
     }
   }
 
   // The call failed alone: the step is aborted, then the call completes.
   void abort_with(const std::string& message) {
     abort_step(message);
-    complete(message);
+    complete(failure_text(message));
   }
 
   void fail_call(const std::string& error) {
@@ -185,7 +185,7 @@ struct SyncCall : std::enable_shared_from_this<SyncCall> {
   }
 
   bool completed_with(const std::string& error) {
-    complete(error);
+    complete(failure_text(error));
     return false;
   }
 
@@ -290,8 +290,8 @@ struct SyncCall : std::enable_shared_from_this<SyncCall> {
     Call self = shared_from_this();
     issuer = std::this_thread::get_id();
     meet_async(*node.layer, key, node.device, std::move(contribution), node.params.dtype_name,
-                   [self, then](const std::string& error, const std::vector<double>& total) {
-      if (!error.empty()) return self->complete(error);
+                   [self, then](const std::string& failure, const std::vector<double>& total) {
+      if (!failure.empty()) return self->complete(failure);
       self->guard([&then, &total]() { then(total); })();
     });
   }
