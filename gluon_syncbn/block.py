@@ -87,10 +87,10 @@ class SyncBatchNorm(nn.BatchNorm):
           (0 samples, in NumPy shape mode): it takes part with count 0.
 
     Outputs:
-        - **out**: output of the same shape and dtype as `data` (except on GPUs
-          and the fallback operators, where a hybridized graph returns float32
-          for float16 input unless the network was cast with
-          ``net.cast('float16')``: under AMP, AMP casts it onwards).
+        - **out**: output of the same shape and dtype as `data` (except on the
+          GPU path, where a hybridized graph returns float32 for float16 input
+          unless the network was cast with ``net.cast('float16')``: under
+          AMP, AMP casts it onwards).
 
     Notes
     -----

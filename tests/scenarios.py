@@ -1469,9 +1469,9 @@ def run_ahead(hybridize=False, calls=2, sizes=(3, 5), steps=20, micro_steps=2, s
         for param in net.collect_params().values():
             if param.grad_req != 'null':
                 param.zero_grad()
-    # The one sync point. (In static graphs a custom operator queues its
-    # update from its callback, so reading before the engine has run the
-    # last step's callbacks would see that step's values unwritten.)
+    # The one sync point. (In static graphs the engine does not order a read
+    # of the running statistics after the updates the last step's calls make
+    # inside them: read after a sync point, as README says.)
     mx.nd.waitall()
     errs = WorstErrors()
     for c in ctxs:

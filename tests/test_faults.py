@@ -64,10 +64,9 @@ def test_exception_in_user_code_releases_issued_calls(hybridize):
 @pytest.mark.parametrize('cause,outputs', [('user_code', 30), ('empty_batch', 40)])
 @pytest.mark.parametrize('hybridize', [False, True])
 def test_calls_failing_together_each_raise(hybridize, cause, outputs):
-    # MXNet's custom operators share one exception slot: calls failing at the
-    # same moment used to take each other's errors, and some outputs of an
-    # abandoned step read back unwritten, without an error (106 of 300 then).
-    # And calls failing together met MXNet's unlocked list of engine errors
+    # Calls failing at the same moment each raise their own error, and no
+    # output of an abandoned step reads back unwritten, without an error;
+    # they meet MXNet's unlocked list of engine errors together
     # (tests/soak_faults.py measures it; docs/findings.md). A step failing in
     # the engine while its later calls are issued (empty_batch) must not have
     # its errors cleared under them: 27 to 30 of its 40 outputs then read

@@ -4,8 +4,8 @@ Each case compares output, input gradient, gamma/beta gradients (summed over
 devices) and running statistics after 3 steps with float64 NumPy maths on the
 same input, and (float32, no offset) with gluon.nn.BatchNorm on one context.
 All cases run in one subprocess per code path (the native asynchronous
-operator, the Python operator, and the two on the path GPUs take, see conftest.PATHS) with a
-hard deadline.
+operator, and the exchange operator on the path GPUs take, in place and
+copying as on a GPU, see conftest.PATHS) with a hard deadline.
 """
 import pytest
 

@@ -161,9 +161,8 @@ def test_running_ahead_over_dist_kvstore_matches_float64(hybridize):
 
 
 def test_twenty_layers_on_two_workers_of_two_contexts_match_full_batch_training():
-    """In float64: in float32 twenty layers amplify rounding to 2e-2 (the
-    Python operator's as much as the native one's); in float64 the errors are
-    those of 3 layers (3e-7, the same for both operators, the reference's)."""
+    """In float64: in float32 twenty layers amplify rounding to 2e-2; in
+    float64 the errors are those of 3 layers (3e-7, the reference's)."""
     kwargs = dict(backend='dist_sync', devices=2, sizes=[1, 3, 2, 2], hybridize=True,
                   layers=20, steps=2, dtype='float64')
     code, output, _, results = run_job(2, 'train', kwargs, servers=1, deadline=240)

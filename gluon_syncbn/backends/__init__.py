@@ -111,8 +111,8 @@ def choose(devices, transport, requested=None):
             'across processes ' if transport.cross_process else '')
     else:
         head = '%s=%s' % (BACKEND_VARIABLE, requested)
-    # Where the library is there, an operator the setting asks for against
-    # the devices' own is the setting's doing.
+    # Without the library, its fix; with it, a setting that asks for another
+    # operator than the devices' own is what to undo.
     advice = _fix() or (' Unset %s to let the library choose.' % BACKEND_VARIABLE
                         if requested not in ('auto', natural) else '')
     return Choice(None, '%s, but %s.%s' % (head, why, advice))
