@@ -83,7 +83,7 @@ struct Meeting {
   std::vector<std::string> dtypes;
   int arrived = 0, taken = 0;
   bool done = false;
-  std::string error, kind;                  // non-empty: failed with this cause, as kind
+  std::string error, kind;                  // non-empty: failed with this cause, raised as kind
   std::vector<double> result;
   std::vector<std::pair<int, Waiter>> waiters;  // the devices' continuations
   std::chrono::steady_clock::time_point deadline;
