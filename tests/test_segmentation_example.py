@@ -3,8 +3,12 @@ folder, a tiny training run (in a subprocess with a deadline), and bad flags
 stopped before anything is written."""
 import json
 import os
+import re
+import shlex
+import signal
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -125,6 +129,48 @@ def test_tiny_training_run_learns_and_scores_its_saved_checkpoint(tmp_path):
     resumed = run_train(training + ['--num-devices', '2', '--epochs', '4', '--no-figures',
                                   '--resume', os.path.join(save, 'epoch_0002.params')])
     assert len(resumed['loss']) == 4   # epochs 3 and 4 appended to the saved history
+
+
+def test_an_interrupted_run_resumed_as_it_says_gives_the_uninterrupted_numbers(tmp_path):
+    """Ctrl-C (SIGINT) once the first epoch's checkpoint exists: exit 130 with
+    one log line, in train.log too, naming the command that continues the
+    run; that command ends with the uninterrupted run's losses, scores and
+    checkpoint, bit for bit (SyncBN: the running statistics are the same on
+    every device, so the checkpoint holds what each device had)."""
+    flags = ['--num-devices', '2', '--train-size', '32', '--val-size', '8', '--crop-size', '32',
+             '--batch-size', '4', '--epochs', '4', '--no-figures']
+    whole = run_train(flags + ['--save-dir', str(tmp_path / 'whole')])
+    save = tmp_path / 'cut'
+    proc = subprocess.Popen([sys.executable, TRAIN] + flags + ['--save-dir', str(save)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    try:
+        deadline = time.monotonic() + 300
+        while not (save / 'epoch_0001.json').exists() and proc.poll() is None:
+            assert time.monotonic() < deadline, 'no checkpoint within 300 s'
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, (out + err)[-3000:]
+    assert 'Traceback' not in err, err[-3000:]
+    last = out.strip().splitlines()[-1]
+    found = re.search(r' interrupted in epoch (\d) of 4; to continue from (\S+): (.*)$', last)
+    assert found, last
+    assert last.split(' ', 2)[2] in (save / 'train.log').read_text().splitlines()[-1]
+    checkpoint, words = found.group(2), shlex.split(found.group(3))
+    assert os.path.isfile(checkpoint) and int(found.group(1)) > 1, last
+    assert words[0] == os.path.basename(sys.executable) and words[1] == TRAIN, words
+    assert words[words.index('--resume') + 1] == checkpoint, words
+    resumed = run_train(words[2:])
+    for key in ('loss', 'pixacc', 'miou', 'val_pixels'):
+        assert resumed[key] == whole[key], key
+    histories = [json.load(open(str(folder / 'history.json'))) for folder in (save,
+                                                                              tmp_path / 'whole')]
+    for key in ('loss', 'pixacc', 'miou'):   # every epoch's
+        assert histories[0][key] == histories[1][key], key
+    assert (save / 'epoch_0004.params').read_bytes() == \
+        (tmp_path / 'whole' / 'epoch_0004.params').read_bytes()
 
 
 def test_precise_bn_before_each_evaluation(tmp_path):

@@ -12,7 +12,8 @@ Real data in Pascal VOC layout, 4 GPUs:
 
 Every flag is checked before anything is written; a bad one, or one the run
 would not use, stops the script with one line naming the problem and the fix.
-The validation scores are those
+Ctrl-C stops it with one line naming the command that continues it, which
+gives the uninterrupted run's numbers bit for bit. The validation scores are those
 of each epoch's saved checkpoint, evaluated as it is deployed (see
 ``deployed_model``), over every validation image.
 """
@@ -21,6 +22,8 @@ import json
 import logging
 import math
 import os
+import shlex
+import signal
 import sys
 import time
 
@@ -84,7 +87,7 @@ def parse_args(argv=None):
     """The flags, checked (see ``check_inputs``); nothing is written here.
 
     ``args.given`` lists the flags given (by their ``dest``), for
-    ``check_inputs``.
+    ``check_inputs`` and for the command that resumes the run (``command``).
     """
     args = make_parser().parse_args(argv)
     args.given = sorted(vars(make_parser(defaults=False).parse_args(argv)))
@@ -99,6 +102,24 @@ def flag(args, dest):
         if action.dest == dest and (action.nargs != 0 or action.const == getattr(args, dest)):
             return action.option_strings[0]
     raise KeyError(dest)
+
+
+def command(args, **changes):
+    """The command line that runs train.py with the flags ``args`` were given,
+    ``changes`` applied (``dest=value``; None leaves the flag out)."""
+    given = {dest: getattr(args, dest) for dest in args.given}
+    given.update(changes)
+    words = [os.path.basename(sys.executable), sys.argv[0] or 'train.py']
+    for action in make_parser()._actions:  # pylint: disable=protected-access
+        value = given.get(action.dest)
+        if value is None or not action.option_strings or action.dest == 'help':
+            continue
+        if action.nargs == 0:
+            if action.const == value:
+                words.append(action.option_strings[0])
+        else:
+            words += [action.option_strings[0], str(value)]  # str(float) reads back exactly
+    return ' '.join(shlex.quote(word) for word in words)
 
 
 INSTALL_EXAMPLES = 'pip install -e ".[examples]"  (from the gluon_syncbn folder)'
@@ -334,14 +355,43 @@ def datasets(args):
         fail('--data-root %s: %s' % (args.data_root, exc))
 
 
+def epoch_random(seed, epoch, purpose):
+    """The random state of one epoch and ``purpose`` (0: the data order, 1:
+    MXNet's seed), a function of these alone: a run resumed at an epoch
+    draws what the uninterrupted run drew there."""
+    return np.random.RandomState([seed, epoch, purpose])
+
+
+class EpochShuffle(gluon.data.Sampler):
+    """The indices ``0..length-1`` in the order of epoch ``self.epoch``.
+
+    Parameters
+    ----------
+    length : int
+    seed : int
+        ``--seed``; each epoch's order is ``epoch_random(seed, epoch, 0)``'s.
+    """
+
+    def __init__(self, length, seed):
+        self.length, self.seed, self.epoch = length, seed, 0
+
+    def __iter__(self):
+        return iter(epoch_random(self.seed, self.epoch, 0).permutation(self.length).tolist())
+
+    def __len__(self):
+        return self.length
+
+
 def train_loader(args, train_set):
-    """Shuffled training batches, each split evenly over the devices.
+    """``(loader, sampler)``: shuffled training batches, each split evenly over
+    the devices, in the order of epoch ``sampler.epoch``.
 
     'discard': a last batch with fewer samples than devices would leave a
     device without a slice, and SyncBatchNorm would wait for it.
     """
-    return gluon.data.DataLoader(_ArrayDataset(train_set), args.batch_size, shuffle=True,
-                                 last_batch='discard')
+    sampler = EpochShuffle(len(train_set), args.seed)
+    batches = gluon.data.BatchSampler(sampler, args.batch_size, last_batch='discard')
+    return gluon.data.DataLoader(_ArrayDataset(train_set), batch_sampler=batches), sampler
 
 
 class _ArrayDataset(gluon.data.Dataset):
@@ -511,13 +561,40 @@ def read_state(checkpoint):
              'the history' % (state_file, one_line(exc)))
 
 
+class Interruption(object):
+    """Ctrl-C during the epochs, taken between two training steps.
+
+    Python raises KeyboardInterrupt wherever the interpreter is, also inside
+    the callbacks MXNet calls, such as the Trainer's update of a parameter,
+    which swallow it, print a traceback and go on with a half-done step. So
+    the first Ctrl-C is only noted here (``check`` raises it between steps);
+    a second one interrupts at once, as by default.
+    """
+
+    def __init__(self):
+        self.requested = False
+        self.previous = signal.signal(signal.SIGINT, self._note)
+
+    def _note(self, signum, frame):
+        self.requested = True
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+    def check(self):
+        """Raise KeyboardInterrupt if Ctrl-C was pressed."""
+        if self.requested:
+            raise KeyboardInterrupt
+
+    def restore(self):
+        signal.signal(signal.SIGINT, self.previous)
+
+
 def checkpoint_files(save_dir, epoch):
     """The files ``train`` writes for one epoch: parameters, trainer state, history."""
     stem = os.path.join(save_dir, 'epoch_%04d' % epoch)
     return [stem + '.params', stem + '.states', stem + '.json']
 
 
-def train(args):
+def train(args, progress=None):
     """Train (or, with ``--eval``, evaluate) as ``args`` say.
 
     Everything that can be checked is checked before the save directory and
@@ -530,6 +607,11 @@ def train(args):
     ----------
     args : argparse.Namespace
         From ``parse_args``.
+    progress : dict or None
+        Filled in as the run goes, for ``interrupted``: ``log`` once logging
+        is set up, ``epoch`` (0-based) of the epoch that runs or is next, ``bar``
+        its progress bar, ``checkpoint`` the last complete one to resume from,
+        ``done`` once the last epoch's is written.
 
     Returns
     -------
@@ -539,6 +621,7 @@ def train(args):
         ``seconds`` per epoch; with ``--eval``, ``evaluate``'s dict.
     """
     from tqdm import tqdm  # checked by parse_args
+    progress = {} if progress is None else progress
     ctxs = contexts(args)  # first: mx.random.seed already starts MXNet's resources
     mx.random.seed(args.seed)
     np.random.seed(args.seed)
@@ -547,7 +630,7 @@ def train(args):
     deployed = deployed_model(args, num_classes)
     if args.eval:
         load_checkpoint(deployed, args.resume, ctxs)
-        log = setup_logging(args.save_dir)
+        log = progress['log'] = setup_logging(args.save_dir)
         scores = evaluate(deployed, val_set, args.batch_size, ctxs, num_classes)
         log.info('eval %s: pixAcc %.4f mIoU %.4f (%d images)', args.resume, scores['pixacc'],
                  scores['miou'], scores['images'])
@@ -571,9 +654,10 @@ def train(args):
                      'with fresh momentum' % (states, one_line(exc)))
         else:
             states = None
-    log = setup_logging(args.save_dir)
+    log = progress['log'] = setup_logging(args.save_dir)
+    progress['checkpoint'] = args.resume
     history_file = os.path.join(args.save_dir, 'history.json')
-    loader = train_loader(args, train_set)
+    loader, sampler = train_loader(args, train_set)
     iters_per_epoch = len(loader)
     max_iter = args.epochs * iters_per_epoch
     log.info('%s on %d device(s) %s, %d train / %d val images, %s; val scores: each '
@@ -585,10 +669,14 @@ def train(args):
                  '' if states else ' (no .states beside it: momentum starts from zero)')
     written = []
     scores = None
+    interruption = Interruption()
     for epoch in range(start_epoch, args.epochs):
         tic, total, count = time.time(), 0.0, 0
-        bar = tqdm(total=iters_per_epoch, desc='epoch %d/%d' % (epoch + 1, args.epochs),
-                   leave=False)
+        progress['epoch'] = sampler.epoch = epoch
+        # Dropout's masks too are a function of the seed and the epoch.
+        mx.random.seed(int(epoch_random(args.seed, epoch, 1).randint(2 ** 31)))
+        bar = progress['bar'] = tqdm(total=iters_per_epoch, leave=False,
+                                     desc='epoch %d/%d' % (epoch + 1, args.epochs))
         for i, (data, label) in enumerate(loader):
             it = epoch * iters_per_epoch + i
             trainer.set_learning_rate(args.lr * (1 - it / max_iter) ** 0.9)   # poly
@@ -614,6 +702,7 @@ def train(args):
             count += 1
             bar.update(1)
             bar.set_postfix_str('loss %.4f lr %.4f' % (total / count, trainer.learning_rate))
+            interruption.check()
         bar.close()
         params, states, state = checkpoint_files(args.save_dir, epoch + 1)
         # The scores are the saved file's, loaded as it is deployed (see deployed_model).
@@ -643,10 +732,14 @@ def train(args):
         with open(history_file, 'w') as f:
             json.dump(history, f, indent=1)
         written.append(epoch + 1)
+        progress['checkpoint'], progress['done'] = params, epoch + 1 == args.epochs
+        progress['epoch'] = epoch + 1   # what is left starts there
         if args.keep and len(written) > args.keep:
             for path in checkpoint_files(args.save_dir, written.pop(0)):
                 if os.path.isfile(path):
                     os.remove(path)
+        interruption.check()
+    interruption.restore()
     result = {'pixacc': history['pixacc'][-1] if history['pixacc'] else None,
               'miou': history['miou'][-1] if history['miou'] else None,
               'loss': history['loss'], 'seconds': history.get('seconds', [])}
@@ -715,5 +808,49 @@ def figures(args, net, val_set, ctxs, history):
     plt.close(fig)
 
 
+def interrupted(args, progress):
+    """End the run after Ctrl-C with one line, logged to ``train.log`` too:
+    the command that continues it (``--resume`` its last complete checkpoint).
+
+    Parameters
+    ----------
+    args : argparse.Namespace
+    progress : dict
+        As ``train`` left it.
+
+    Raises
+    ------
+    SystemExit
+        130, as a shell reports a process ended by SIGINT.
+    """
+    signal.signal(signal.SIGINT, signal.SIG_IGN)   # a second Ctrl-C would cut the line short
+    if progress.get('bar') is not None:
+        progress['bar'].close()
+    checkpoint = progress.get('checkpoint')
+    if progress.get('done'):
+        line = 'interrupted after the last epoch: its checkpoint %s and history.json are ' \
+               'complete%s' % (checkpoint, '; the figures may be missing' if args.figures else '')
+    elif 'epoch' in progress and checkpoint:
+        line = 'interrupted in epoch %d of %d; to continue from %s: %s' % (
+            progress['epoch'] + 1, args.epochs, checkpoint,
+            command(args, resume=checkpoint, pretrained=None))
+    elif 'epoch' in progress:
+        line = ('interrupted in epoch %d of %d, before the first checkpoint; nothing to '
+                'continue from: run the same command again' % (progress['epoch'] + 1,
+                                                                args.epochs))
+    else:
+        line = 'interrupted %s: run the same command again' % (
+            'during the evaluation' if args.eval else 'before the first epoch')
+    if progress.get('log'):
+        progress['log'].info(line)
+    else:
+        sys.stderr.write('train.py: %s\n' % line)
+    raise SystemExit(130)
+
+
 if __name__ == '__main__':
-    print(json.dumps(train(parse_args())))
+    ARGS, PROGRESS = parse_args(), {}
+    try:
+        print(json.dumps(train(ARGS, PROGRESS)))
+    except KeyboardInterrupt:
+        interrupted(ARGS, PROGRESS)
