@@ -25,8 +25,8 @@ Example::
     python -m gluon_syncbn.launch -n 2 -s 1 train.py --epochs 3
     python -m gluon_syncbn.launch -n 2 --backend horovod train.py
 
-On several machines use the engines' own launchers instead (README.md,
-section 'Beyond one machine'; docs/design.md, section 'Across processes').
+On several machines use the engines' own launchers instead
+(examples/multiprocess/README.md, section 'On several machines').
 """
 import argparse
 import os
