@@ -25,7 +25,8 @@ Example::
     python -m gluon_syncbn.launch -n 2 -s 1 train.py --epochs 3
     python -m gluon_syncbn.launch -n 2 --backend horovod train.py
 
-On several machines use the engines' own launchers instead (see README.md).
+On several machines use the engines' own launchers instead
+(examples/multiprocess/README.md, section 'On several machines').
 """
 import argparse
 import os
@@ -280,8 +281,8 @@ def horovod_commands(num_workers, worker_argv):
         from horovod.runner.common.util.hosts import get_host_assignments, parse_hosts
         from horovod.runner.http.http_server import RendezvousServer
     except ImportError as exc:
-        raise SystemExit('gluon_syncbn.launch: --backend horovod needs Horovod (%s); see '
-                         'README.md for the install.' % exc)
+        raise SystemExit("gluon_syncbn.launch: --backend horovod needs Horovod (%s); install "
+                         "it with the command in docs/install.md, section 'Horovod'." % exc)
     hosts = parse_hosts('127.0.0.1:%d' % num_workers)
     slots = get_host_assignments(hosts, num_workers)
     rendezvous = RendezvousServer(verbose=0)

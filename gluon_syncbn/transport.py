@@ -304,8 +304,9 @@ class HorovodTransport(_CrossProcessTransport):
         except ImportError as exc:
             raise SyncBatchNormError(
                 "SyncBatchNorm(kvstore='horovod') needs horovod.mxnet, which does not import "
-                "here (%s). Install Horovod with MXNet support: HOROVOD_WITH_MXNET=1 "
-                "HOROVOD_WITH_GLOO=1 pip install --no-build-isolation horovod (see README)."
+                "here (%s). Install Horovod 0.28.1 with MXNet support: HOROVOD_WITH_MXNET=1 "
+                "HOROVOD_WITH_GLOO=1 pip install --no-build-isolation horovod==0.28.1 (the "
+                "whole command and what it needs first: docs/install.md, section 'Horovod')."
                 % exc)
         hvd.init()
         self._hvd = hvd
@@ -321,8 +322,8 @@ class HorovodTransport(_CrossProcessTransport):
             return ''
         return ('Horovod %s is installed: the native transport calls '
                 'horovod_mxnet_allreduce_async, whose C signature it knows for Horovod %s.x '
-                'only. Install Horovod 0.28.1 (see README)' % (horovod.__version__,
-                                                              _HOROVOD_NATIVE))
+                "only. Install Horovod 0.28.1 (docs/install.md, section 'Horovod')"
+                % (horovod.__version__, _HOROVOD_NATIVE))
 
     def _make_native(self, lib):
         from horovod.mxnet import mpi_ops  # pylint: disable=import-outside-toplevel

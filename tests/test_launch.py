@@ -9,7 +9,8 @@ import time
 import psutil
 import pytest
 
-from gluon_syncbn.launch import EXIT_DEADLINE, Job, kvstore_commands, parse_args
+from gluon_syncbn.launch import (EXIT_DEADLINE, Job, horovod_commands, kvstore_commands,
+                                 parse_args)
 
 
 def python(code):
@@ -128,3 +129,18 @@ def test_the_launcher_leaves_nothing_running_however_it_ends(sig, tmp_path):
     finally:
         launcher.kill()
         launcher.wait()
+
+
+def test_without_horovod_the_launcher_names_where_the_install_command_is(monkeypatch):
+    # As where Horovod is not installed: its import fails.
+    monkeypatch.setitem(sys.modules, 'horovod', None)
+    with pytest.raises(SystemExit) as stop:
+        horovod_commands(2, ['train.py'])
+    message = str(stop.value.code)
+    assert message.startswith('gluon_syncbn.launch: --backend horovod needs Horovod'), message
+    assert "docs/install.md, section 'Horovod'" in message, message
+    # ... and that section has the command.
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    install = open(os.path.join(root, 'docs', 'install.md')).read()
+    section = install.split('\n## Horovod\n', 1)[1].split('\n## ', 1)[0]
+    assert 'pip install --no-build-isolation horovod==0.28.1' in section, section

@@ -1,5 +1,6 @@
 """The wording shared by both languages (gluon_syncbn/messages.py): templates
 the native library can fill in as Python does."""
+import os
 import re
 import string
 
@@ -29,3 +30,26 @@ def test_text_fills_every_field_and_refuses_a_missing_one():
 def test_numbers_read_as_the_native_library_prints_them():
     assert messages.number(2.0) == '2' and messages.number(0.5) == '0.5'
     assert messages.numbers([6.0, 1.0]) == '[6, 1]'
+
+
+HINT = re.compile(r"([\w./-]+\.md),\s+section\s+'([^']+)'")
+
+
+def test_every_hint_names_a_file_and_a_section_that_has_it():
+    # A hint such as "(see README)" sends the user to a page without the
+    # answer: every one names the file and its section, and both must exist.
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    package = os.path.join(root, 'gluon_syncbn')
+    hints = []
+    for folder, _, files in os.walk(package):
+        for name in files:
+            if name.endswith(('.py', '.h', '.cc')):
+                path = os.path.join(folder, name)
+                text = open(path).read()
+                assert not re.search(r'see README\b(?!\.md, section)', text), path
+                hints += [(path,) + m for m in HINT.findall(text)]
+    assert any(doc == 'docs/install.md' and section == 'Horovod' for _, doc, section in hints)
+    for path, doc, section in hints:
+        with open(os.path.join(root, doc)) as f:
+            headings = [line.lstrip('#').strip() for line in f if line.startswith('#')]
+        assert section in headings, (path, doc, section, headings)

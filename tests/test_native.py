@@ -3,6 +3,7 @@ synchronizes (without them its first synchronized call raises, saying why
 and what to do), no leaks, and no deadlock at depth. Every MXNet run is a
 fresh process with a deadline."""
 import os
+import re
 import shutil
 
 import pytest
@@ -95,6 +96,20 @@ def test_built_at_first_use_into_the_cache(tmp_path):
     assert cache.read_verdict(str(folder / built[1])) == (
         cache.digest(str(folder / built[0])), 'ok')
     assert 'RuntimeWarning' not in out.stderr, out.stderr[-2000:]
+    # The half minute of compiling and the self-test's seconds are announced,
+    # once; a process finding both in the cache says nothing.
+    library = str(folder / built[0])
+    progress = ['gluon_syncbn: compiling the native library (once per MXNet install, about '
+                '30 s) into %s ...\n' % library,
+                'gluon_syncbn: self-testing the asynchronous operator in a subprocess (a few '
+                'seconds, once per build) ...\n']
+    for line in progress:
+        assert out.stderr.count(line) == 1, out.stderr[-3000:]
+    assert len(re.findall(r'^gluon_syncbn: compiled in \d+\.\d s$', out.stderr, re.M)) == 1, \
+        out.stderr[-3000:]
+    again = python(TWO_DEVICE_STEP, GLUON_SYNCBN_CACHE=str(cache_root))
+    assert reported(again, 'OPERATOR') == 'async'
+    assert 'gluon_syncbn: ' not in again.stderr, again.stderr[-3000:]
 
 
 def test_a_failed_self_test_is_an_error_at_the_first_call(cache_with_library):

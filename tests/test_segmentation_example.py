@@ -3,8 +3,12 @@ folder, a tiny training run (in a subprocess with a deadline), and bad flags
 stopped before anything is written."""
 import json
 import os
+import re
+import shlex
+import signal
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -106,9 +110,10 @@ def test_tiny_training_run_learns_and_scores_its_saved_checkpoint(tmp_path):
     on one device (its running statistics are the devices' mean), over all 17
     validation images (the last batch's one image on one device); --keep 2."""
     save = str(tmp_path / 'run')
-    common = ['--train-size', '32', '--val-size', '17', '--crop-size', '32', '--batch-size', '4',
-              '--save-dir', save, '--no-syncbn', '--aux']
-    result = run_train(common + ['--num-devices', '2', '--epochs', '3', '--keep', '2'])
+    common = ['--val-size', '17', '--crop-size', '32', '--batch-size', '4', '--save-dir', save,
+              '--aux']
+    training = common + ['--train-size', '32', '--no-syncbn']
+    result = run_train(training + ['--num-devices', '2', '--epochs', '3', '--keep', '2'])
     assert result['loss'][-1] < result['loss'][0]
     assert result['val_images'] == 17
     assert result['val_pixels'] == labelled_pixels(SyntheticShapes(17, 32, seed=1))
@@ -121,18 +126,61 @@ def test_tiny_training_run_learns_and_scores_its_saved_checkpoint(tmp_path):
     evaluated = run_train(common + ['--num-devices', '1', '--eval', '--resume', ckpt])
     assert (evaluated['pixacc'], evaluated['miou']) == (result['pixacc'], result['miou'])
     assert evaluated['images'] == 17
-    resumed = run_train(common + ['--num-devices', '2', '--epochs', '4', '--no-figures',
+    resumed = run_train(training + ['--num-devices', '2', '--epochs', '4', '--no-figures',
                                   '--resume', os.path.join(save, 'epoch_0002.params')])
     assert len(resumed['loss']) == 4   # epochs 3 and 4 appended to the saved history
+
+
+def test_an_interrupted_run_resumed_as_it_says_gives_the_uninterrupted_numbers(tmp_path):
+    """Ctrl-C (SIGINT) once the first epoch's checkpoint exists: exit 130 with
+    one log line, in train.log too, naming the command that continues the
+    run; that command ends with the uninterrupted run's losses, scores and
+    checkpoint, bit for bit (SyncBN: the running statistics are the same on
+    every device, so the checkpoint holds what each device had)."""
+    flags = ['--num-devices', '2', '--train-size', '32', '--val-size', '8', '--crop-size', '32',
+             '--batch-size', '4', '--epochs', '4', '--no-figures']
+    whole = run_train(flags + ['--save-dir', str(tmp_path / 'whole')])
+    save = tmp_path / 'cut'
+    proc = subprocess.Popen([sys.executable, TRAIN] + flags + ['--save-dir', str(save)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    try:
+        deadline = time.monotonic() + 300
+        while not (save / 'epoch_0001.json').exists() and proc.poll() is None:
+            assert time.monotonic() < deadline, 'no checkpoint within 300 s'
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, (out + err)[-3000:]
+    assert 'Traceback' not in err, err[-3000:]
+    last = out.strip().splitlines()[-1]
+    found = re.search(r' interrupted in epoch (\d) of 4; to continue from (\S+): (.*)$', last)
+    assert found, last
+    assert last.split(' ', 2)[2] in (save / 'train.log').read_text().splitlines()[-1]
+    checkpoint, words = found.group(2), shlex.split(found.group(3))
+    assert os.path.isfile(checkpoint) and int(found.group(1)) > 1, last
+    assert words[0] == os.path.basename(sys.executable) and words[1] == TRAIN, words
+    assert words[words.index('--resume') + 1] == checkpoint, words
+    resumed = run_train(words[2:])
+    for key in ('loss', 'pixacc', 'miou', 'val_pixels'):
+        assert resumed[key] == whole[key], key
+    histories = [json.load(open(str(folder / 'history.json'))) for folder in (save,
+                                                                              tmp_path / 'whole')]
+    for key in ('loss', 'pixacc', 'miou'):   # every epoch's
+        assert histories[0][key] == histories[1][key], key
+    assert (save / 'epoch_0004.params').read_bytes() == \
+        (tmp_path / 'whole' / 'epoch_0004.params').read_bytes()
 
 
 def test_precise_bn_before_each_evaluation(tmp_path):
     """--precise-bn: the mIoU before it is kept, and the checkpoint holds the
     precise statistics (evaluating it gives the mIoU after)."""
     save = str(tmp_path / 'run')
-    common = ['--train-size', '32', '--val-size', '16', '--crop-size', '32',
-              '--num-devices', '2', '--batch-size', '4', '--save-dir', save, '--no-figures']
-    result = run_train(common + ['--epochs', '2', '--precise-bn', '3'])
+    common = ['--val-size', '16', '--crop-size', '32', '--num-devices', '2', '--batch-size', '4',
+              '--save-dir', save]
+    result = run_train(common + ['--train-size', '32', '--no-figures', '--epochs', '2',
+                                 '--precise-bn', '3'])
     assert len(result['precise_bn_seconds']) == 2, result
     assert 0 <= result['miou_before_precise_bn'] <= 1, result
     history = json.load(open(os.path.join(save, 'history.json')))
@@ -233,15 +281,51 @@ def test_bad_inputs_stop_before_anything_is_written(tmp_path):
                                                      'smaller --batch-size']),
         'batch_zero': (['--batch-size', '0'], ['--batch-size 0: give 1 or more']),
         'batch_uneven': (['--batch-size', '6'], ['over 4 devices: give a multiple of 4']),
-        'devices_zero': (['--num-devices', '0'], ['--num-devices 0: give at least 1']),
+        'devices_zero': (['--num-devices', '0'], ['--num-devices 0: give 1 or more']),
         'epochs_zero': (['--epochs', '0'], ['--epochs 0: give 1 or more']),
         'keep': (['--keep', '-1'], ['--keep -1: give 0 or more']),
         'no_train_batch': (['--train-size', '4'], ['4 training images make no batch of 8',
                                                    'give --train-size 8 or more']),
-        'no_val': (['--val-size', '0'], ['no validation image', 'give --val-size 1 or more']),
+        'no_val': (['--val-size', '0'], ['--val-size 0: give 1 or more']),
+        'train_size_negative': (['--train-size', '-8'], ['--train-size -8: give 1 or more']),
+        'seed_negative': (['--seed', '-1'], ['--seed -1: give 0 or more']),
+        'seed_big': (['--seed', str(2 ** 32)], ['--seed 4294967296: give less than 2**32']),
+        'lr_negative': (['--lr', '-1'], ['--lr -1.0: give a positive learning rate']),
+        'lr_zero': (['--lr', '0'], ['--lr 0.0: give a positive learning rate']),
+        'lr_nan': (['--lr', 'nan'], ['--lr nan: give a positive learning rate']),
+        'lr_inf': (['--lr', 'inf'], ['--lr inf: give a positive learning rate']),
+        'momentum': (['--momentum', '1'], ['--momentum 1.0: give 0 (none) or more and less '
+                                           'than 1']),
+        'momentum_negative': (['--momentum', '-0.5'], ['--momentum -0.5: give 0']),
+        'wd_negative': (['--wd=-1e-4'], ['--wd -0.0001: give 0 (none) or a positive']),
+        # flags this run cannot use
+        'data_root_synthetic': (['--data-root', '/nonexistent'],
+                                ['--data-root does nothing in this run',
+                                 'add --dataset voc', 'leave out --data-root']),
+        'voc_train_size': (voc + [str(tmp_path / 'voc'), '--train-size', '8'],
+                           ['--train-size does nothing in this run', 'counts synthetic images',
+                            'leave out --train-size']),
+        'voc_val_size': (voc + [str(tmp_path / 'voc'), '--val-size', '8'],
+                         ['--val-size does nothing in this run', 'leave out --val-size']),
+        'num_devices_with_gpus': (['--gpus', '0', '--num-devices', '2'],
+                                  ['--num-devices does nothing in this run', 'counts CPU '
+                                   'contexts', 'leave out --num-devices']),
+        'pretrained_with_resume': (['--resume', missing, '--pretrained', missing],
+                                   ['--pretrained does nothing in this run',
+                                    '--resume loads every parameter', 'leave out --pretrained']),
+        'voc_eval_seed': (['--dataset', 'voc', '--data-root', str(tmp_path / 'voc'), '--eval',
+                           '--resume', missing, '--seed', '1'],
+                          ['--seed does nothing in this run', 'leave out --seed']),
         'precise_bn': (['--precise-bn', '9', '--train-size', '64'],
                        ['only 8 training batches', 'give --precise-bn 8 or less']),
     }
+    for flags in (['--epochs', '3'], ['--lr', '0.1'], ['--momentum', '0.5'], ['--wd', '0'],
+                  ['--train-size', '8'], ['--keep', '2'], ['--precise-bn', '1'],
+                  ['--pretrained', missing], ['--syncbn'], ['--no-syncbn'], ['--no-figures']):
+        expected['eval' + flags[0].replace('-', '_')] = (
+            ['--eval', '--resume', missing] + flags,
+            ['%s does nothing in this run' % flags[0], '--eval only scores the checkpoint',
+             'leave out %s, or leave out --eval to train' % flags[0]])
     gpu_expected = {
         'gpu_absent': (['--gpus', '0,3'], ['MXNet sees 2 GPU(s) (0-1), not 3']),
         'gpu_uneven': (['--gpus', '0,1', '--batch-size', '3'], ['over 2 devices']),

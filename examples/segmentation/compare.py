@@ -41,12 +41,15 @@ def run(norm_flag, args, save_dir):
     result['history'] = history['miou']
     result['history_before'] = history.get('miou_before_precise_bn', [])
     # the saved checkpoint in train mode (batch statistics), on the training devices
+    # train.py --eval scores as deployed and refuses --syncbn/--no-syncbn; this
+    # evaluation builds the training network, with the layer that trained it.
     code = ('import sys, json; sys.path.insert(0, %r); import train; '
-            'a = train.parse_args(%r); ctxs = train.contexts(a); _, va = train.datasets(a); '
-            'net = train.build(a, va.num_classes, ctxs); print(json.dumps(train.evaluate('
-            'net, va, a.batch_size, ctxs, va.num_classes, train_mode=True)))'
-            % (HERE, [norm_flag, '--num-devices', '4', '--batch-size', '4', '--seed',
-                      str(args.seed), '--resume', result['checkpoint'], '--eval']))
+            'a = train.parse_args(%r); a.syncbn = %r; ctxs = train.contexts(a); '
+            '_, va = train.datasets(a); net = train.build(a, va.num_classes, ctxs); '
+            'print(json.dumps(train.evaluate(net, va, a.batch_size, ctxs, va.num_classes, '
+            'train_mode=True)))'
+            % (HERE, ['--num-devices', '4', '--batch-size', '4', '--seed', str(args.seed),
+                      '--resume', result['checkpoint'], '--eval'], norm_flag == '--syncbn'))
     out = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True,
                          timeout=args.timeout)
     check(out, 'the train-mode evaluation of %s' % result['checkpoint'])

@@ -10,15 +10,20 @@ Real data in Pascal VOC layout, 4 GPUs:
     python examples/segmentation/train.py --dataset voc --data-root ~/VOC2012 \\
         --gpus 0,1,2,3 --batch-size 16 --crop-size 320 --epochs 50
 
-Every flag is checked before anything is written; a bad one stops the script
-with one line naming the problem and the fix. The validation scores are those
+Every flag is checked before anything is written; a bad one, or one the run
+would not use, stops the script with one line naming the problem and the fix.
+Ctrl-C stops it with one line naming the command that continues it, which
+gives the uninterrupted run's numbers bit for bit. The validation scores are those
 of each epoch's saved checkpoint, evaluated as it is deployed (see
 ``deployed_model``), over every validation image.
 """
 import argparse
 import json
 import logging
+import math
 import os
+import shlex
+import signal
 import sys
 import time
 
@@ -37,41 +42,84 @@ from metrics import SegmentationMetric  # noqa: E402
 from model import FCN  # noqa: E402
 
 
+def make_parser(defaults=True):
+    """The flags; with ``defaults=False`` a flag left out is absent from the
+    parsed namespace, which tells the flags given from the defaults."""
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                argument_default=None if defaults else argparse.SUPPRESS)
+
+    def add(*flags, **kwargs):
+        if not defaults:
+            kwargs.pop('default', None)
+        p.add_argument(*flags, **kwargs)
+    add('--dataset', choices=['synthetic', 'voc'], default='synthetic')
+    add('--data-root', default=None, help='VOC2012 folder (for --dataset voc)')
+    add('--num-devices', type=int, default=4, help='CPU contexts (without --gpus)')
+    add('--gpus', default='', help='e.g. 0,1,2,3, instead of --num-devices')
+    add('--batch-size', type=int, default=8, help='total over all devices')
+    add('--epochs', type=int, default=15)
+    add('--crop-size', type=int, default=64)
+    add('--lr', type=float, default=0.05, help='base learning rate (poly schedule)')
+    add('--momentum', type=float, default=0.9)
+    add('--wd', type=float, default=1e-4)
+    add('--syncbn', dest='syncbn', action='store_true', default=True)
+    add('--no-syncbn', dest='syncbn', action='store_false')
+    add('--aux', action='store_true', default=False, help='auxiliary head with weight 0.4')
+    add('--pretrained', default=None, help='local ResNet-18 v1 parameter file')
+    add('--train-size', type=int, default=192, help='synthetic training images')
+    add('--val-size', type=int, default=48, help='synthetic validation images')
+    add('--save-dir', default='runs/segmentation')
+    add('--keep', type=int, default=1, metavar='N',
+        help='keep the checkpoints of the last N epochs this run trains (0: every epoch)')
+    add('--resume', default=None, help='checkpoint .params to continue from')
+    add('--eval', action='store_true', default=False,
+        help='only evaluate (--resume checkpoint)')
+    add('--seed', type=int, default=0, help='data order, initialization and Dropout')
+    add('--precise-bn', type=int, default=0, metavar='N',
+        help='before each evaluation, recompute the running statistics over N '
+             'training batches (gluon_syncbn.update_bn_stats)')
+    add('--no-hybridize', dest='hybridize', action='store_false', default=True)
+    add('--no-figures', dest='figures', action='store_false', default=True)
+    return p
+
+
 def parse_args(argv=None):
-    """The flags, checked (see ``check_inputs``); nothing is written here."""
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument('--dataset', choices=['synthetic', 'voc'], default='synthetic')
-    p.add_argument('--data-root', default=None, help='VOC2012 folder (for --dataset voc)')
-    p.add_argument('--num-devices', type=int, default=4, help='CPU contexts (without --gpus)')
-    p.add_argument('--gpus', default='', help='e.g. 0,1,2,3; overrides --num-devices')
-    p.add_argument('--batch-size', type=int, default=8, help='total over all devices')
-    p.add_argument('--epochs', type=int, default=15)
-    p.add_argument('--crop-size', type=int, default=64)
-    p.add_argument('--lr', type=float, default=0.05, help='base learning rate (poly schedule)')
-    p.add_argument('--momentum', type=float, default=0.9)
-    p.add_argument('--wd', type=float, default=1e-4)
-    p.add_argument('--syncbn', dest='syncbn', action='store_true', default=True)
-    p.add_argument('--no-syncbn', dest='syncbn', action='store_false')
-    p.add_argument('--aux', action='store_true', help='auxiliary head with weight 0.4')
-    p.add_argument('--pretrained', default=None, help='local ResNet-18 v1 parameter file')
-    p.add_argument('--train-size', type=int, default=192, help='synthetic training images')
-    p.add_argument('--val-size', type=int, default=48, help='synthetic validation images')
-    p.add_argument('--save-dir', default='runs/segmentation')
-    p.add_argument('--keep', type=int, default=1, metavar='N',
-                   help='keep the checkpoints of the last N epochs this run trains '
-                        '(0: every epoch)')
-    p.add_argument('--resume', default=None, help='checkpoint .params to continue from')
-    p.add_argument('--eval', action='store_true', help='only evaluate (--resume checkpoint)')
-    p.add_argument('--seed', type=int, default=0)
-    p.add_argument('--precise-bn', type=int, default=0, metavar='N',
-                   help='before each evaluation, recompute the running statistics over N '
-                        'training batches (gluon_syncbn.update_bn_stats)')
-    p.add_argument('--no-hybridize', dest='hybridize', action='store_false', default=True)
-    p.add_argument('--no-figures', dest='figures', action='store_false', default=True)
-    args = p.parse_args(argv)
+    """The flags, checked (see ``check_inputs``); nothing is written here.
+
+    ``args.given`` lists the flags given (by their ``dest``), for
+    ``check_inputs`` and for the command that resumes the run (``command``).
+    """
+    args = make_parser().parse_args(argv)
+    args.given = sorted(vars(make_parser(defaults=False).parse_args(argv)))
     check_dependencies(args)
     check_inputs(args)
     return args
+
+
+def flag(args, dest):
+    """The flag that sets ``dest`` to its value in ``args``, as the user spells it."""
+    for action in make_parser()._actions:  # pylint: disable=protected-access
+        if action.dest == dest and (action.nargs != 0 or action.const == getattr(args, dest)):
+            return action.option_strings[0]
+    raise KeyError(dest)
+
+
+def command(args, **changes):
+    """The command line that runs train.py with the flags ``args`` were given,
+    ``changes`` applied (``dest=value``; None leaves the flag out)."""
+    given = {dest: getattr(args, dest) for dest in args.given}
+    given.update(changes)
+    words = [os.path.basename(sys.executable), sys.argv[0] or 'train.py']
+    for action in make_parser()._actions:  # pylint: disable=protected-access
+        value = given.get(action.dest)
+        if value is None or not action.option_strings or action.dest == 'help':
+            continue
+        if action.nargs == 0:
+            if action.const == value:
+                words.append(action.option_strings[0])
+        else:
+            words += [action.option_strings[0], str(value)]  # str(float) reads back exactly
+    return ' '.join(shlex.quote(word) for word in words)
 
 
 INSTALL_EXAMPLES = 'pip install -e ".[examples]"  (from the gluon_syncbn folder)'
@@ -85,7 +133,7 @@ def fail(message):
 def check_dependencies(args):
     """Stop before training, not after it, if a package this run needs is missing."""
     needed = [('tqdm', 'tqdm', 'the progress bar')]
-    if args.figures:
+    if args.figures and not args.eval:
         needed.append(('matplotlib', 'matplotlib', 'the figures (or pass --no-figures)'))
     if args.dataset == 'voc':
         needed.append(('PIL', 'pillow', 'reading VOC images'))
@@ -100,19 +148,89 @@ def check_dependencies(args):
                          % (', '.join(missing), INSTALL_EXAMPLES))
 
 
-def check_inputs(args):
-    """Stop, with one line naming the fix, on any flag this run cannot use.
+# What only training uses: with --eval each of these flags would do nothing.
+TRAINING_ONLY = ('epochs', 'lr', 'momentum', 'wd', 'train_size', 'keep', 'precise_bn',
+                 'pretrained', 'syncbn', 'figures')
 
-    Runs before anything is written and before MXNet's first operator: the
-    devices against the installed MXNet, the files that must exist (the
-    checkpoint, the pretrained file, the VOC folder's lists and images), and
-    the sizes (every training batch split evenly over the devices, at least
-    one training batch per epoch, at least one validation image).
+
+def unused_flag(args):
+    """A flag given that this run cannot use: ``(flag, why)``, or None.
 
     Parameters
     ----------
     args : argparse.Namespace
-        The parsed flags.
+        From ``parse_args``, with ``args.given``.
+
+    Returns
+    -------
+    tuple of str or None
+        The flag as the user spelled it, and why it does nothing here and
+        what to do instead.
+    """
+    given = set(args.given)
+    if args.eval:
+        for dest in TRAINING_ONLY:
+            if dest in given:
+                name = flag(args, dest)
+                return name, ('--eval only scores the checkpoint as it is deployed (nn.BatchNorm '
+                              'in eval mode, whichever layer trained it): leave out %s, or '
+                              'leave out --eval to train' % name)
+        if 'seed' in given and args.dataset == 'voc':
+            return '--seed', '--eval on VOC images draws nothing at random: leave out --seed'
+    elif 'pretrained' in given and args.resume:
+        return '--pretrained', ('--resume loads every parameter, the backbone\'s too, over '
+                                'the pretrained ones: leave out --pretrained')
+    if 'data_root' in given and args.dataset != 'voc':
+        return '--data-root', ('the folder is read with --dataset voc only: add --dataset voc '
+                               'to use it, or leave out --data-root to use synthetic data')
+    for dest in ('train_size', 'val_size'):
+        if dest in given and args.dataset == 'voc':
+            return flag(args, dest), ('it counts synthetic images, and with --dataset voc the '
+                                      'lists in ImageSets/Segmentation/ choose the images: '
+                                      'leave out %s' % flag(args, dest))
+    if 'num_devices' in given and args.gpus:
+        return '--num-devices', ('it counts CPU contexts, and --gpus trains on the GPUs it '
+                                 'lists: leave out --num-devices')
+    return None
+
+
+def out_of_range(args):
+    """The first numeric flag out of its range, as the line that says so, or None."""
+    least = [('--batch-size', args.batch_size, 1), ('--crop-size', args.crop_size, 1),
+             ('--epochs', args.epochs, 1), ('--precise-bn', args.precise_bn, 0),
+             ('--keep', args.keep, 0), ('--train-size', args.train_size, 1),
+             ('--val-size', args.val_size, 1), ('--seed', args.seed, 0)]
+    if not args.gpus:
+        least.insert(0, ('--num-devices', args.num_devices, 1))
+    for name, value, smallest in least:
+        if value < smallest:
+            return '%s %d: give %d or more' % (name, value, smallest)
+    if args.seed >= 2 ** 32:
+        return '--seed %d: give less than 2**32 (%d), as NumPy\'s generator takes' % (
+            args.seed, 2 ** 32)
+    if not (math.isfinite(args.lr) and args.lr > 0):
+        return '--lr %r: give a positive learning rate, e.g. --lr 0.05' % args.lr
+    if not 0 <= args.momentum < 1:
+        return '--momentum %r: give 0 (none) or more and less than 1, e.g. 0.9' % args.momentum
+    if not (math.isfinite(args.wd) and args.wd >= 0):
+        return '--wd %r: give 0 (none) or a positive weight decay, e.g. 1e-4' % args.wd
+    return None
+
+
+def check_inputs(args):
+    """Stop, with one line naming the fix, on any flag this run cannot use.
+
+    Runs before anything is written and before MXNet's first operator: flags
+    given that the run would not use, numbers out of range, the devices
+    against the installed MXNet, the files that must exist (the checkpoint,
+    the pretrained file, the VOC folder's lists and images), and the sizes
+    (every training batch split evenly over the devices, at least one
+    training batch per epoch, at least one validation image).
+
+    Parameters
+    ----------
+    args : argparse.Namespace
+        The parsed flags, with ``args.given``.
 
     Raises
     ------
@@ -121,22 +239,19 @@ def check_inputs(args):
     """
     if args.eval and not args.resume:
         fail('--eval needs a checkpoint to evaluate: add --resume FILE.params')
+    unused = unused_flag(args)
+    if unused:
+        fail('%s does nothing in this run: %s' % unused)
+    problem = out_of_range(args)
+    if problem:
+        fail(problem)
     num_devices = len(gpu_ids(args)) if args.gpus else args.num_devices
-    if num_devices < 1:
-        fail('--num-devices %d: give at least 1 CPU context' % args.num_devices)
-    for flag, value, least in (('--batch-size', args.batch_size, 1),
-                               ('--crop-size', args.crop_size, 1),
-                               ('--epochs', args.epochs, 1),
-                               ('--precise-bn', args.precise_bn, 0),
-                               ('--keep', args.keep, 0)):
-        if value < least:
-            fail('%s %d: give %d or more' % (flag, value, least))
     if not args.eval and args.batch_size % num_devices:
         fail('--batch-size %d does not split evenly over %d devices: give a multiple of %d'
              % (args.batch_size, num_devices, num_devices))
-    for flag, path in (('--resume', args.resume), ('--pretrained', args.pretrained)):
+    for name, path in (('--resume', args.resume), ('--pretrained', args.pretrained)):
         if path and not os.path.isfile(path):
-            fail('%s %s: no such file; give the path of a .params file' % (flag, path))
+            fail('%s %s: no such file; give the path of a .params file' % (name, path))
     if args.resume and not args.eval:
         state = read_state(args.resume)
         if state and state['epoch'] >= args.epochs:
@@ -156,10 +271,8 @@ def check_inputs(args):
                  '%d); give --precise-bn %d or less' % (args.precise_bn, batches,
                                                         len(train_set), args.batch_size,
                                                         batches))
-    if len(val_set) == 0:
-        fail('no validation image: %s' % ('give --val-size 1 or more'
-                                           if args.dataset == 'synthetic' else
-                                           'list images in ImageSets/Segmentation/val.txt'))
+    if len(val_set) == 0:   # --val-size is at least 1: a VOC list
+        fail('no validation image: list images in ImageSets/Segmentation/val.txt')
 
 
 def gpu_ids(args):
@@ -242,14 +355,43 @@ def datasets(args):
         fail('--data-root %s: %s' % (args.data_root, exc))
 
 
+def epoch_random(seed, epoch, purpose):
+    """The random state of one epoch and ``purpose`` (0: the data order, 1:
+    MXNet's seed), a function of these alone: a run resumed at an epoch
+    draws what the uninterrupted run drew there."""
+    return np.random.RandomState([seed, epoch, purpose])
+
+
+class EpochShuffle(gluon.data.Sampler):
+    """The indices ``0..length-1`` in the order of epoch ``self.epoch``.
+
+    Parameters
+    ----------
+    length : int
+    seed : int
+        ``--seed``; each epoch's order is ``epoch_random(seed, epoch, 0)``'s.
+    """
+
+    def __init__(self, length, seed):
+        self.length, self.seed, self.epoch = length, seed, 0
+
+    def __iter__(self):
+        return iter(epoch_random(self.seed, self.epoch, 0).permutation(self.length).tolist())
+
+    def __len__(self):
+        return self.length
+
+
 def train_loader(args, train_set):
-    """Shuffled training batches, each split evenly over the devices.
+    """``(loader, sampler)``: shuffled training batches, each split evenly over
+    the devices, in the order of epoch ``sampler.epoch``.
 
     'discard': a last batch with fewer samples than devices would leave a
     device without a slice, and SyncBatchNorm would wait for it.
     """
-    return gluon.data.DataLoader(_ArrayDataset(train_set), args.batch_size, shuffle=True,
-                                 last_batch='discard')
+    sampler = EpochShuffle(len(train_set), args.seed)
+    batches = gluon.data.BatchSampler(sampler, args.batch_size, last_batch='discard')
+    return gluon.data.DataLoader(_ArrayDataset(train_set), batch_sampler=batches), sampler
 
 
 class _ArrayDataset(gluon.data.Dataset):
@@ -419,13 +561,40 @@ def read_state(checkpoint):
              'the history' % (state_file, one_line(exc)))
 
 
+class Interruption(object):
+    """Ctrl-C during the epochs, taken between two training steps.
+
+    Python raises KeyboardInterrupt wherever the interpreter is, also inside
+    the callbacks MXNet calls, such as the Trainer's update of a parameter,
+    which swallow it, print a traceback and go on with a half-done step. So
+    the first Ctrl-C is only noted here (``check`` raises it between steps);
+    a second one interrupts at once, as by default.
+    """
+
+    def __init__(self):
+        self.requested = False
+        self.previous = signal.signal(signal.SIGINT, self._note)
+
+    def _note(self, signum, frame):
+        self.requested = True
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+    def check(self):
+        """Raise KeyboardInterrupt if Ctrl-C was pressed."""
+        if self.requested:
+            raise KeyboardInterrupt
+
+    def restore(self):
+        signal.signal(signal.SIGINT, self.previous)
+
+
 def checkpoint_files(save_dir, epoch):
     """The files ``train`` writes for one epoch: parameters, trainer state, history."""
     stem = os.path.join(save_dir, 'epoch_%04d' % epoch)
     return [stem + '.params', stem + '.states', stem + '.json']
 
 
-def train(args):
+def train(args, progress=None):
     """Train (or, with ``--eval``, evaluate) as ``args`` say.
 
     Everything that can be checked is checked before the save directory and
@@ -438,6 +607,11 @@ def train(args):
     ----------
     args : argparse.Namespace
         From ``parse_args``.
+    progress : dict or None
+        Filled in as the run goes, for ``interrupted``: ``log`` once logging
+        is set up, ``epoch`` (0-based) of the epoch that runs or is next, ``bar``
+        its progress bar, ``checkpoint`` the last complete one to resume from,
+        ``done`` once the last epoch's is written.
 
     Returns
     -------
@@ -447,6 +621,7 @@ def train(args):
         ``seconds`` per epoch; with ``--eval``, ``evaluate``'s dict.
     """
     from tqdm import tqdm  # checked by parse_args
+    progress = {} if progress is None else progress
     ctxs = contexts(args)  # first: mx.random.seed already starts MXNet's resources
     mx.random.seed(args.seed)
     np.random.seed(args.seed)
@@ -455,7 +630,7 @@ def train(args):
     deployed = deployed_model(args, num_classes)
     if args.eval:
         load_checkpoint(deployed, args.resume, ctxs)
-        log = setup_logging(args.save_dir)
+        log = progress['log'] = setup_logging(args.save_dir)
         scores = evaluate(deployed, val_set, args.batch_size, ctxs, num_classes)
         log.info('eval %s: pixAcc %.4f mIoU %.4f (%d images)', args.resume, scores['pixacc'],
                  scores['miou'], scores['images'])
@@ -479,9 +654,10 @@ def train(args):
                      'with fresh momentum' % (states, one_line(exc)))
         else:
             states = None
-    log = setup_logging(args.save_dir)
+    log = progress['log'] = setup_logging(args.save_dir)
+    progress['checkpoint'] = args.resume
     history_file = os.path.join(args.save_dir, 'history.json')
-    loader = train_loader(args, train_set)
+    loader, sampler = train_loader(args, train_set)
     iters_per_epoch = len(loader)
     max_iter = args.epochs * iters_per_epoch
     log.info('%s on %d device(s) %s, %d train / %d val images, %s; val scores: each '
@@ -493,10 +669,14 @@ def train(args):
                  '' if states else ' (no .states beside it: momentum starts from zero)')
     written = []
     scores = None
+    interruption = Interruption()
     for epoch in range(start_epoch, args.epochs):
         tic, total, count = time.time(), 0.0, 0
-        bar = tqdm(total=iters_per_epoch, desc='epoch %d/%d' % (epoch + 1, args.epochs),
-                   leave=False)
+        progress['epoch'] = sampler.epoch = epoch
+        # Dropout's masks too are a function of the seed and the epoch.
+        mx.random.seed(int(epoch_random(args.seed, epoch, 1).randint(2 ** 31)))
+        bar = progress['bar'] = tqdm(total=iters_per_epoch, leave=False,
+                                     desc='epoch %d/%d' % (epoch + 1, args.epochs))
         for i, (data, label) in enumerate(loader):
             it = epoch * iters_per_epoch + i
             trainer.set_learning_rate(args.lr * (1 - it / max_iter) ** 0.9)   # poly
@@ -522,6 +702,7 @@ def train(args):
             count += 1
             bar.update(1)
             bar.set_postfix_str('loss %.4f lr %.4f' % (total / count, trainer.learning_rate))
+            interruption.check()
         bar.close()
         params, states, state = checkpoint_files(args.save_dir, epoch + 1)
         # The scores are the saved file's, loaded as it is deployed (see deployed_model).
@@ -551,10 +732,14 @@ def train(args):
         with open(history_file, 'w') as f:
             json.dump(history, f, indent=1)
         written.append(epoch + 1)
+        progress['checkpoint'], progress['done'] = params, epoch + 1 == args.epochs
+        progress['epoch'] = epoch + 1   # what is left starts there
         if args.keep and len(written) > args.keep:
             for path in checkpoint_files(args.save_dir, written.pop(0)):
                 if os.path.isfile(path):
                     os.remove(path)
+        interruption.check()
+    interruption.restore()
     result = {'pixacc': history['pixacc'][-1] if history['pixacc'] else None,
               'miou': history['miou'][-1] if history['miou'] else None,
               'loss': history['loss'], 'seconds': history.get('seconds', [])}
@@ -623,5 +808,49 @@ def figures(args, net, val_set, ctxs, history):
     plt.close(fig)
 
 
+def interrupted(args, progress):
+    """End the run after Ctrl-C with one line, logged to ``train.log`` too:
+    the command that continues it (``--resume`` its last complete checkpoint).
+
+    Parameters
+    ----------
+    args : argparse.Namespace
+    progress : dict
+        As ``train`` left it.
+
+    Raises
+    ------
+    SystemExit
+        130, as a shell reports a process ended by SIGINT.
+    """
+    signal.signal(signal.SIGINT, signal.SIG_IGN)   # a second Ctrl-C would cut the line short
+    if progress.get('bar') is not None:
+        progress['bar'].close()
+    checkpoint = progress.get('checkpoint')
+    if progress.get('done'):
+        line = 'interrupted after the last epoch: its checkpoint %s and history.json are ' \
+               'complete%s' % (checkpoint, '; the figures may be missing' if args.figures else '')
+    elif 'epoch' in progress and checkpoint:
+        line = 'interrupted in epoch %d of %d; to continue from %s: %s' % (
+            progress['epoch'] + 1, args.epochs, checkpoint,
+            command(args, resume=checkpoint, pretrained=None))
+    elif 'epoch' in progress:
+        line = ('interrupted in epoch %d of %d, before the first checkpoint; nothing to '
+                'continue from: run the same command again' % (progress['epoch'] + 1,
+                                                                args.epochs))
+    else:
+        line = 'interrupted %s: run the same command again' % (
+            'during the evaluation' if args.eval else 'before the first epoch')
+    if progress.get('log'):
+        progress['log'].info(line)
+    else:
+        sys.stderr.write('train.py: %s\n' % line)
+    raise SystemExit(130)
+
+
 if __name__ == '__main__':
-    print(json.dumps(train(parse_args())))
+    ARGS, PROGRESS = parse_args(), {}
+    try:
+        print(json.dumps(train(ARGS, PROGRESS)))
+    except KeyboardInterrupt:
+        interrupted(ARGS, PROGRESS)

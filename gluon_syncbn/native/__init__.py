@@ -38,6 +38,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 
 from .. import messages
 from ..errors import warn_user
@@ -164,16 +165,26 @@ def build(path, cache_root):
     command = [compiler] + _flags() + ['-DMXNET_USE_MKLDNN=%d' % _mkldnn(), '-I' + include,
                                     '-I' + os.path.join(include, 'mkldnn'), SOURCE, '-o', tmp,
                                     '-L' + mx_dir, '-l:libmxnet.so', '-Wl,-rpath,' + mx_dir]
+    # A layer's first call is silent for half a minute otherwise: say why.
+    _say('compiling the native library (once per MXNet install, about 30 s) into %s ...' % path)
+    start = time.monotonic()
     try:
         proc = subprocess.run(command, capture_output=True, text=True, timeout=BUILD_SECONDS)
         if proc.returncode != 0:
             raise NativeUnavailable('%s failed:\n%s' % (' '.join(command), proc.stderr[-2000:]))
         os.replace(tmp, path)  # atomic: other processes see all of it or nothing
+        _say('compiled in %.1f s' % (time.monotonic() - start))
     except subprocess.TimeoutExpired:
         raise NativeUnavailable('%s took more than %ds' % (compiler, BUILD_SECONDS))
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
+
+
+def _say(line):
+    """``gluon_syncbn: <line>`` on stderr, at once: progress, not a warning."""
+    sys.stderr.write('gluon_syncbn: %s\n' % line)
+    sys.stderr.flush()
 
 
 def _once(name, make):
@@ -316,6 +327,8 @@ def _selftest(path, part):
     marker = '%s.%s%s.selftest' % (path, part, _driver_tag() if part == 'exchange' else '')
     kept = cache.read_verdict(marker) if os.path.exists(marker) else (None, None)
     if kept[0] != _state['digest']:  # none yet, or one an older version kept without a digest
+        _say('self-testing the %s operator in a subprocess (a few seconds, once per build) ...'
+             % ('asynchronous' if part == 'async' else part))
         verdict, definite = run_selftest(part)
         if not definite:
             return verdict
