@@ -20,13 +20,23 @@ from .transport import make_transport
 
 __all__ = ['SyncBatchNorm']
 
+# Seconds a device waits for the other devices of its process, and a worker
+# for the other workers: those may pause far longer in a healthy job (an
+# evaluation or a checkpoint on one worker only; torch's default for its
+# collectives is 30 minutes), and a worker that dies ends the job at once
+# by other means (transport.py, launch.py).
 DEFAULT_TIMEOUT = 180.0
+DEFAULT_REMOTE_TIMEOUT = 1800.0
 
 
-def default_timeout():
-    """Seconds to wait for the other devices: ``GLUON_SYNCBN_TIMEOUT`` or 180."""
-    value = os.environ.get('GLUON_SYNCBN_TIMEOUT')
-    return float(value) if value else DEFAULT_TIMEOUT
+def timeouts(timeout):
+    """``(in the process, across workers)`` for ``SyncBatchNorm(timeout=...)``:
+    ``timeout`` for both, else ``GLUON_SYNCBN_TIMEOUT`` for both, else the
+    defaults."""
+    value = os.environ.get('GLUON_SYNCBN_TIMEOUT') if timeout is None else timeout
+    if value is None or value == '':
+        return DEFAULT_TIMEOUT, DEFAULT_REMOTE_TIMEOUT
+    return float(value), float(value)
 
 
 class SyncBatchNorm(nn.BatchNorm):
@@ -67,7 +77,10 @@ class SyncBatchNorm(nn.BatchNorm):
         initialized on. Any other value must equal that number.
     timeout : float or None, default None
         Seconds a device waits for the others before raising
-        :class:`SyncBatchNormTimeout`; None reads ``GLUON_SYNCBN_TIMEOUT``, else 180.
+        :class:`SyncBatchNormTimeout`; None reads ``GLUON_SYNCBN_TIMEOUT``,
+        else 180 for the devices of one process and 1800 for other worker
+        processes (a healthy job may pause that long on one worker: an
+        evaluation on rank 0 only; a dead worker ends the job at once).
     kvstore : KVStore, 'horovod' or None, default None
         Synchronize with the devices of other worker processes too: the job's
         ``mx.kv.create('dist_sync')`` store (shared with a Trainer created with
@@ -121,7 +134,7 @@ class SyncBatchNorm(nn.BatchNorm):
             running_variance_initializer=running_variance_initializer,
             in_channels=in_channels, **kwargs)
         self._num_devices = num_devices
-        self._timeout = float(timeout) if timeout is not None else default_timeout()
+        self._timeout, self._remote_timeout = timeouts(timeout)
         self._transport = make_transport(kvstore)
         self._sync_groups = check_sync_groups(sync_groups)
         self._sync_backend = None

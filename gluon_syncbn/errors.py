@@ -8,6 +8,7 @@ of an output, ``wait_to_read``, ``waitall``, a later operation; imperative,
 hybridized or static), it raises ours.
 """
 import os
+import re
 import sys
 import warnings
 
@@ -25,11 +26,14 @@ class SyncBatchNormError(MXNetError):
     ``MXNetError``, as MXNet's own failures of a call are)."""
 
     def __init__(self, message=''):
-        # MXNet hands the text of a failed operation over with the class's
-        # name first, which the exception's type already says.
-        head = type(self).__name__ + ': '
-        if isinstance(message, str) and message.startswith(head):
-            message = message[len(head):]
+        # MXNet hands the text of a failure over with the class's name first,
+        # which the exception's type already says, and, where our code
+        # refused while MXNet issued a call, after the C++ stack of that
+        # refusal (the line naming the layer says it all).
+        found = re.search(r'(?:^|\n)%s: ' % type(self).__name__, message) \
+            if isinstance(message, str) else None
+        if found:
+            message = message[found.end():]
         super(SyncBatchNormError, self).__init__(message)
 
 

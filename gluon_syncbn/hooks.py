@@ -437,10 +437,10 @@ def _as_ours(exc, heads, session):
     layers synchronize, naming the layers ``heads`` were computed through
     (a graph run as a CachedOp does not show its operators: then every layer
     that synchronizes)."""
-    ours = ours_behind(exc)
+    ours = exc if isinstance(exc, SyncBatchNormError) else ours_behind(exc)
     unnamed = ours is not None and "SyncBatchNorm '?'" in str(ours)
     if ours is not None and not unnamed:
-        return ours
+        return None if ours is exc else ours
     if not unnamed and (not session.active()
                         or _NO_HIGHER_ORDER not in str(exc)):
         return None

@@ -40,6 +40,9 @@ import time
 __all__ = ['main', 'Job']
 
 EXIT_DEADLINE = 124  # like coreutils' timeout
+# What a worker's error says where it gave up waiting for the other workers
+# (messages.py: remote_timeout, setup_timeout).
+WAITED = 'for the other workers'
 # Runs ps-lite's role at MXNet's import; gluon_syncbn's import first loads the
 # GPU wheel's CUDA libraries, without which that wheel does not import.
 _SERVER_COMMAND = [sys.executable, '-c', 'import gluon_syncbn']
@@ -158,9 +161,9 @@ class Job(object):
                 code = codes[label]
                 error = self.errors.get(label)
                 return (code if code > 0 else 1,
-                        '%s (pid %d) failed with %s%s' % (
+                        '%s (pid %d) failed with %s%s%s' % (
                             label, self.procs[label].pid, describe_exit(code),
-                            ': ' + error if error else ''))
+                            ': ' + error if error else '', self._late(label, error)))
             for label, code in sorted(codes.items()):
                 if code == 0 and label not in self.workers:
                     since = helper_done.setdefault(label, time.monotonic())
@@ -172,6 +175,19 @@ class Job(object):
             if time.monotonic() > end:
                 return EXIT_DEADLINE, 'the deadline of %gs passed' % self.deadline
             time.sleep(0.05)
+
+    def _late(self, label, error):
+        """Where ``label`` gave up waiting for the other workers (its error
+        says it waited for them): '; still running then: ...', naming the
+        workers it waited for, which were alive when it ended (slow, or
+        paused: the layers' timeout ended it), else ''."""
+        if not error or WAITED not in error:
+            return ''
+        end = self.ended[label]
+        late = ['%s (pid %d)' % (w, self.procs[w].pid) for w in sorted(self.workers)
+                if w != label and self.ended.get(w, float('inf')) > end]
+        return '; the workers it waited for, still running then: %s' % ', '.join(late) \
+            if late else ''
 
     def finish(self, grace=10.0):
         """Let helpers exit by themselves for ``grace`` seconds, then end everything."""

@@ -73,21 +73,35 @@ TEMPLATES = {
         "SyncBatchNorm '{layer}': the workers' networks differ at their layer #{number} to "
         "synchronize across workers: {workers}. Layers are matched across workers by the "
         "order of their first training calls: every worker must run the same network, built "
-        "the same way (with the same names: give it the same prefix=).",
+        "the same way (with the same names: give it the same prefix=; with the same "
+        "sync_groups, over as many devices where they are explicit).",
     'setup_timeout':
         "SyncBatchNorm: worker {rank} of {workers} waited {timeout}s for the other workers to "
-        "set up layer '{layer}', its layer #{number} to synchronize across workers "
-        "({transport}). A worker died, hangs, or runs a network with fewer SyncBatchNorm "
-        "layers; see the other workers' logs.",
+        "{what} ({transport}). A worker died, hangs, runs a network with fewer SyncBatchNorm "
+        "layers, or is still on its way there (loading data, a long first step): raise "
+        "timeout= (or GLUON_SYNCBN_TIMEOUT) if it is just slow; see the other workers' logs.",
+    'setup_out_of_step':
+        "SyncBatchNorm: the workers are out of step where this one was to {what}: {workers}. "
+        "Every worker must run the same network, call it the same number of times per step, "
+        "and give update_bn_stats the same batches.",
+    'compression':
+        "SyncBatchNorm cannot synchronize through {transport}: it has gradient compression "
+        "(set_gradient_compression, or a Trainer's compression_params), which MXNet applies "
+        "to every key of the store and which refuses pushpull. Use a kvstore without "
+        "compression for SyncBatchNorm and its Trainer, or Horovod, whose "
+        "hvd.DistributedTrainer(compression=...) compresses gradients only (docs/install.md, "
+        "section 'Across processes')",
     'numbering_disagrees':
         "SyncBatchNorm '{layer}': the workers disagree on the global device numbering of "
         "sync_groups (devices owned by no worker or by several: [{devices}]). Every worker "
         "must use the same number of devices.",
     'remote_timeout':
         "SyncBatchNorm: worker {rank} of {workers} waited {timeout}s for the other workers at "
-        "the {direction} reduction #{call} of layer '{layer}' (slot {slot}) ({transport}). A "
-        "worker died, hangs, or runs a different number of training calls; see the other "
-        "workers' logs. Raise timeout= (or GLUON_SYNCBN_TIMEOUT) if a worker is just slow.",
+        "the {direction} reduction #{call} of layer '{layer}' (slot {slot}) ({transport})."
+        "{helpers} A worker (or a server of the job's kvstore) died, hangs, pauses (an "
+        "evaluation on one worker only), or runs a different number of training calls; see "
+        "the other workers' logs. Raise timeout= (or GLUON_SYNCBN_TIMEOUT) if a worker is just "
+        "slow.",
     'broken':
         "SyncBatchNorm: cross-process synchronization was lost earlier and cannot resume "
         "(pending {transport} reductions cannot be cancelled): {cause}",
@@ -98,6 +112,9 @@ TEMPLATES = {
     'exit_failed':
         "gluon_syncbn: worker {rank} ends now with exit code {code} ({cause}): the other "
         "workers cannot go on without it.",
+    'exit_helpers_gone':
+        "gluon_syncbn: worker {rank} ends now with exit code 1: {why}, so the job cannot "
+        "finish (ps-lite's barriers, the kvstore's final one at exit among them, meet there).",
     'exit_late':
         "gluon_syncbn: worker {rank} did not exit within {grace}s of a failed cross-process "
         "reduction: {cause}",

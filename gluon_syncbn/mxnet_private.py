@@ -94,19 +94,29 @@ AMP (``backends/vector_graph.py``, :func:`amp_initialized`)
 The user's kvstore (``transport._serialize_calls``)
     Its methods are wrapped to take one lock, and ``init``/``broadcast`` drain
     the engine: 1.9.1's dist kvstore keeps per-key buffers in unguarded maps.
+    Its ``set_gradient_compression`` raises: 1.9.1 compresses every key of a
+    dist kvstore and refuses pushpull on a compressed one
+    (``kvstore_dist.h``, ``PushPullImpl``).
 
-The kvstore server and ps-lite (``native/session.h``, ``transport.py``)
+The kvstore server and ps-lite (``native/session.h``, ``transport.h``, ``transport.py``)
     1.9.1's server never initializes its ``multi_precision_`` flag
     (``kvstore_dist_server.h``): where the heap leaves it set (the GPU
     wheel's server, in most runs) it stores and sums every float64 key in
-    float32. Forward sums therefore cross processes about a shift close to
-    their mean (``native/wire.h`` ``shift_forward``), and the check rows
-    hold whole numbers below 2^24. The server aborts on a push whose size
-    is not its key's, so the workers compare each layer before its keys
-    exist (``attach_remote``). The store's destructor waits in ps-lite's
-    final barrier for every worker, so a worker whose script failed, or
-    whose synchronization broke, ends with ``os._exit`` at interpreter exit
-    (``transport._at_exit``).
+    float32. The layers' keys are therefore float32, and every number on
+    them is exact in float32 with zeros as its other addends (a gather:
+    ``native/wire.h``, CHECKED and ``encode_exact``). The server aborts on a
+    push whose size is not its key's, so the workers compare each layer
+    before its keys exist (``attach_remote``). The store's destructor waits
+    in ps-lite's final barrier for every worker, at the scheduler: a worker
+    whose script failed, or whose synchronization broke, ends with
+    ``os._exit`` at interpreter exit (``transport._at_exit``), and one whose
+    scheduler no longer answers at ``DMLC_PS_ROOT_URI:DMLC_PS_ROOT_PORT``
+    ends itself (``watch_helpers``).
+
+Python (``transport._guard_exit``, at the first cross-process layer's construction)
+    ``sys.excepthook``, ``sys.exit`` and the builtin ``SystemExit`` are
+    replaced (the last by a subclass), and an ``atexit`` handler added, so a
+    worker learns how its script ended and ends at once when it failed.
 
 Block trees (``hooks.blocks_of``, ``convert.py``)
     ``Block._children``, the ordered children of a block, walked to find and

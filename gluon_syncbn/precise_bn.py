@@ -73,8 +73,9 @@ def update_bn_stats(net, data, num_batches=200, ctx_list=None, batch_axis=0, pro
         per context (an NDArray, or a tuple of NDArrays for a network with
         several inputs), or one NDArray on one context.
     num_batches : int or None, default 200
-        How many batches to use; None: all of ``data``. Every worker must
-        use the same number.
+        How many batches to use; None: all of ``data``. Across processes the
+        workers stop together, after as many batches as the one with the
+        fewest has (the others warn).
     ctx_list : list of Context, or None
         The contexts to split each batch over.
     batch_axis : int, default 0
@@ -101,7 +102,8 @@ def update_bn_stats(net, data, num_batches=200, ctx_list=None, batch_axis=0, pro
     saved = [_copies(t.layer) for t in tallies]
     bar = _ProgressBar(progress, num_batches, data)
     try:
-        _run(net, tallies, itertools.islice(data, num_batches), ctx_list, batch_axis, bar)
+        ended = _run(net, tallies, itertools.islice(data, num_batches), ctx_list, batch_axis,
+                     bar)
         averages = [t.averages() for t in tallies]
         for t, values in zip(tallies, averages):
             _write(t.layer, values)
@@ -116,7 +118,7 @@ def update_bn_stats(net, data, num_batches=200, ctx_list=None, batch_axis=0, pro
     if unused:
         warn_user('%s: %s saw no sample in training mode, and keep their running '
                   'statistics.' % (NAME, ', '.join(unused)))
-    if num_batches is not None and bar.done < num_batches:
+    if ended and num_batches is not None and bar.done < num_batches:
         warn_user('%s: data ended after %d of %d batches; the statistics are over those.'
                   % (NAME, bar.done, num_batches))
     return bar.done
@@ -124,16 +126,20 @@ def update_bn_stats(net, data, num_batches=200, ctx_list=None, batch_axis=0, pro
 
 def _run(net, tallies, batches, ctx_list, batch_axis, bar):
     """``net`` in training mode without recording on every batch, its
-    layers' tallies on."""
+    layers' tallies on; whether ``batches`` ended (not another worker's)."""
     # Imperatively where a pre-hook must see a layer's input.
     imperative = any(isinstance(t, _LocalTally) for t in tallies)
     contexts = tallies[0].contexts
+    agree = _agreement(tallies)
     for t in tallies:
         t.start()
     try:
         with imperatively(net) if imperative else contextlib.nullcontext():
             pending = []
-            for i, batch in enumerate(batches):
+            for i, batch in enumerate(itertools.chain(batches, [_END])):
+                if agree(i, batch is not _END) or batch is _END:
+                    ended = batch is _END
+                    break
                 steps = _inputs(batch, ctx_list, batch_axis, contexts, i)
                 # A step per batch: only an exception that leaves a batch
                 # half-issued aborts the step (hooks), failing the calls that
@@ -150,6 +156,32 @@ def _run(net, tallies, batches, ctx_list, batch_axis, bar):
             t.stop()
     if not bar.done:
         raise SyncBatchNormError('%s: data gave no batch.' % NAME)
+    return ended
+
+
+_END = object()  # after the last batch
+
+
+def _agreement(tallies):
+    """``agree(i, has)``: whether update_bn_stats stops before batch ``i``
+    (from 0), which this process has or not (``has``). Across processes the
+    workers stop together, where the first runs out of batches: each
+    worker's layers would wait for the others' calls of a batch they do not
+    have. One process never stops early."""
+    layers = [t.layer for t in tallies if isinstance(t, _SyncedTally)
+              and t.layer._transport.cross_process]
+    if not layers:
+        return lambda i, has: False
+    from .native import load  # pylint: disable=import-outside-toplevel
+    transport, timeout = layers[0]._transport, layers[0]._remote_timeout
+
+    def agree(i, has):
+        lacking = transport.agree_on_batch(load(), i, has, timeout)
+        if lacking and has:
+            warn_user('%s: worker(s) %s had no batch #%d: every worker stops after %d batches.'
+                      % (NAME, ', '.join(map(str, lacking)), i + 1, i))
+        return bool(lacking)
+    return agree
 
 
 # -------------------------------------------------------------- the layers --

@@ -25,6 +25,7 @@ to itself, its interpreter's exit would wait in ps-lite's final barrier for
 the other workers, which wait for its sums until their timeout.
 """
 import atexit
+import builtins
 import ctypes
 import os
 import sys
@@ -86,6 +87,29 @@ class _CrossProcessTransport(object):
                 _exit_state['library'] = lib
         return self.twin
 
+    def agree_on_layer(self, lib, layer, devices):
+        """Before ``layer``'s backend on ``devices`` is made: every worker's
+        layer made in its place must have the same name and sync_groups
+        (with, where they are explicit, as many devices to number), or every
+        worker raises the same error, before the sync groups are worked out.
+        (Its channels and dtype are compared at its first call, before its
+        keys are made: ``native/session.h``, ``attach_remote``.)"""
+        explicit = layer._sync_groups is not None
+        error = lib.compare_layer(self.make_native(lib), layer.name,
+                                  len(devices) if explicit else 0, repr(layer._sync_groups),
+                                  layer._remote_timeout)
+        if error:
+            raise SyncBatchNormError(error)
+
+    def agree_on_batch(self, lib, batch, has, timeout):
+        """The workers without update_bn_stats' batch ``batch`` (from 0),
+        once every worker said whether it has it (``has``: this one)."""
+        error, lacking = lib.agree_on_batch(self.make_native(lib), batch, has, timeout,
+                                            self.num_workers)
+        if error:
+            raise SyncBatchNormError(error)
+        return lacking
+
 
 # ------------------------------------------------------- the process's end --
 # A worker's exit must not wait for the other workers when they cannot come:
@@ -102,12 +126,14 @@ def _guard_exit(rank):
     :func:`_at_exit` runs at interpreter exit, and the script's end is noted
     where it is a failure.
 
-    Python tells nobody at exit how the script ended, so two hooks note it as
-    it happens: ``sys.excepthook`` (an uncaught exception) and ``sys.exit``,
-    whose exception notes a non-zero code when it is deleted with no Python
+    Python tells nobody at exit how the script ended, so hooks note it as
+    it happens: ``sys.excepthook`` (an uncaught exception), and the exit
+    exception, which notes a non-zero code when it is deleted with no Python
     code left on the stack, which happens only once it has ended the script
-    (one the script catches dies inside its frames). ``raise SystemExit(n)``
-    written out is not seen: the worker then ends as Python would.
+    (one the script catches dies inside its frames). That exception is
+    :class:`_ScriptExit`: ``sys.exit`` raises it, and it is the builtin
+    ``SystemExit`` from now on, which ``raise SystemExit(n)`` and the
+    builtin ``exit(n)`` raise (a subclass: ``except SystemExit`` catches it).
     """
     if sys.exit is _script_exit:
         return
@@ -121,6 +147,7 @@ def _guard_exit(rank):
         previous_hook(kind, value, trace)
     sys.excepthook = excepthook
     sys.exit = _script_exit
+    builtins.SystemExit = _ScriptExit
     atexit.register(_at_exit, rank)
 
 
@@ -280,6 +307,17 @@ def _serialize_calls(kvstore, lock):
         if method is not None:
             drain = mx.nd.waitall if name in ('init', 'broadcast') else None
             setattr(kvstore, name, _locked(method, ref, lock, drain))
+    kvstore.set_gradient_compression = _refuse_compression(kvstore)
+
+
+def _refuse_compression(kvstore):
+    """``kvstore.set_gradient_compression``, refused at once: MXNet applies
+    it to every key of the store, ours too, and then refuses pushpull."""
+    name = "kvstore '%s'" % kvstore.type
+
+    def set_gradient_compression(compression_params):
+        raise SyncBatchNormError(messages.text('compression', transport=name) + '.')
+    return set_gradient_compression
 
 
 def _locked(method, ref, lock, drain):

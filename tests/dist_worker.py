@@ -8,6 +8,7 @@ itself, so no worker trusts another's numbers.
 """
 import json
 import os
+import re
 import signal
 import sys
 import time
@@ -26,7 +27,7 @@ from mxnet import autograd, gluon  # noqa: E402
 
 from gluon_syncbn import SyncBatchNorm, convert_model  # noqa: E402
 from tests.reference import (WorstErrors, grouped_batchnorm_float64,  # noqa: E402
-                             max_rel_err)
+                             max_rel_err, max_rel_err_where_finite)
 from tests.scenarios import build, copy_params, split_batch  # noqa: E402
 
 
@@ -127,24 +128,118 @@ def layer(backend, devices, sizes, shape=(3, 4, 5), axis=1, steps=2, hybridize=F
     return dict(errs, rank=worker.rank, operator=bn._sync_backend.name)
 
 
-def _trainer(worker, net, update_on_kvstore):
+# What the data does in each step of `moves`: the offsets of its two calls'
+# inputs (one per channel, or one for all), the head gradients' offset, and
+# what one value of the first call is instead.
+MOVES = [
+    (0.0, 100.0, 0.0, None),                      # a real and a fake batch, 50 std apart
+    (1e4, 1e4 + 100.0, 1e4, None),                # a jump of 5e3 std; heads far from zero
+    (0.0, -1e4, 0.0, None),                       # back to zero, and the other way
+    ([1e4, -1e4, 0.0], [0.0, 0.0, 1e4], 0.0, None),  # channels far apart
+    (0.0, 0.0, 0.0, float('nan')),                # one NaN in channel 0
+    (0.0, 100.0, 0.0, None),                      # clean again
+    # one outlier in channel 1 (its square within float32's range: the GPU
+    # path takes the moments in float32 on the device, as nn.BatchNorm does)
+    (0.0, 0.0, 0.0, 1e18),
+    (1e3, 1e3 + 100.0, -1e4, None),               # clean again, heads far from zero
+]
+
+
+def moves(backend, devices, sizes, hybridize=False, seed=0, run_ahead=True, heads=True):
+    """The layer on data that moves between calls (:data:`MOVES`), called
+    twice per step (a GAN discriminator's real and fake batches), against
+    float64 maths on each call's global batch: every output, input and
+    parameter gradient and running statistic, also in the steps after a NaN
+    and an outlier. Where a NaN made the reference's numbers NaN, ours must
+    not be finite either. ``run_ahead``: nothing is read until every step is
+    issued (then gamma's and beta's gradients, which each step overwrites,
+    only for the last step). ``heads``: the head gradients' offsets too (the
+    GPU path's backward sums them on the device in float32, as nn.BatchNorm
+    does: at 1e4 from zero that is 6e-4 of their spread, in one process too)."""
+    worker = Worker(backend, devices, sizes)
+    rng = np.random.RandomState(seed)
+    full, channels = (int(sum(sizes)), 3, 4, 5), 3
+    gamma, beta = rng.uniform(0.5, 1.5, channels), rng.uniform(-0.5, 0.5, channels)
+    bn = SyncBatchNorm(in_channels=channels, kvstore=worker.kvstore, timeout=60)
+    bn.initialize(ctx=worker.ctxs)
+    bn.gamma.set_data(mx.nd.array(gamma))
+    bn.beta.set_data(mx.nd.array(beta))
+    if hybridize:
+        bn.hybridize(static_alloc=hybridize == 'static', static_shape=hybridize == 'static')
+    errs = WorstErrors()
+    run = {i: (np.zeros(channels), np.ones(channels)) for i in worker.mine}
+    groups = [list(range(len(sizes)))]
+    issued = []
+    for step, (offset_a, offset_b, head, odd) in enumerate(MOVES):
+        calls = []
+        for offset in (offset_a, offset_b):
+            x = rng.randn(*full) * 2 + np.asarray(offset, np.float64).reshape(-1, 1, 1)
+            if offset is offset_a and odd is not None:
+                x[0, 0 if odd != odd else 1, 0, 0] = odd  # NaN: channel 0; else channel 1
+            dy = rng.randn(*full) + (head if heads else 0.0)
+            calls.append((x.astype(np.float32), dy.astype(np.float32)))
+        xs = [worker.slices(x) for x, _ in calls]
+        for a in sum(xs, []):
+            a.attach_grad()
+        with autograd.record():
+            ys = [[bn(a) for a in call] for call in xs]
+        autograd.backward(sum(ys, []), sum([worker.slices(dy) for _, dy in calls], []))
+        refs = [grouped_batchnorm_float64(split_batch(x, sizes), split_batch(dy, sizes), groups,
+                                          gamma, beta) for x, dy in calls]
+        issued.append((ys, xs, refs))
+        if run_ahead and step < len(MOVES) - 1:
+            continue
+        for ys, xs, refs in issued:
+            for call_ys, call_xs, ref in zip(ys, xs, refs):
+                for i, y, a in zip(worker.mine, call_ys, call_xs):
+                    y64, dx64, _, _, mean64, var64 = ref[i]
+                    run[i] = (run[i][0] * 0.9 + mean64 * 0.1, run[i][1] * 0.9 + var64 * 0.1)
+                    errs.note('y', y.asnumpy(), y64, max_rel_err_where_finite)
+                    errs.note('dx', a.grad.asnumpy(), dx64, max_rel_err_where_finite)
+        for i, c in zip(worker.mine, worker.ctxs):  # both calls' shares of this step's sums
+            errs.note('dgamma', bn.gamma.grad(c).asnumpy(),
+                      refs[0][i][2] + refs[1][i][2], max_rel_err_where_finite)
+            errs.note('dbeta', bn.beta.grad(c).asnumpy(), refs[0][i][3] + refs[1][i][3],
+                      max_rel_err_where_finite)
+            errs.note('running_mean', bn.running_mean.data(c).asnumpy(), run[i][0],
+                      max_rel_err_where_finite)
+            errs.note('running_var', bn.running_var.data(c).asnumpy(), run[i][1],
+                      max_rel_err_where_finite)
+        issued = []
+    return dict(errs, rank=worker.rank, operator=bn._sync_backend.name)
+
+
+# Gradient compression as a user asks a Trainer for it.
+COMPRESSION = {'type': '2bit', 'threshold': 0.5}
+
+
+def _trainer(worker, net, update_on_kvstore, compression):
     if worker.kvstore == 'horovod':
         # Horovod averages gradients over workers and reduces only the first
-        # context's: one device per worker.
-        return worker.hvd.DistributedTrainer(net.collect_params(), 'sgd', dict(SGD))
+        # context's: one device per worker. Its compression is the gradients'.
+        from horovod.mxnet.compression import Compression
+        return worker.hvd.DistributedTrainer(
+            net.collect_params(), 'sgd', dict(SGD),
+            compression=Compression.fp16 if compression else Compression.none)
     return gluon.Trainer(net.collect_params(), 'sgd', dict(SGD), kvstore=worker.kvstore,
-                         update_on_kvstore=update_on_kvstore)
+                         update_on_kvstore=update_on_kvstore,
+                         compression_params=COMPRESSION if compression else None)
 
 
 def train(backend, devices, sizes, steps=3, hybridize=False, image=8, seed=0, fault=None,
-          timeout=60.0, update_on_kvstore=False, layers=3, dtype='float32', offset=1e3):
+          timeout=None, update_on_kvstore=False, layers=3, dtype='float32', offset=1e3,
+          compression=False):
     """A Trainer loop across workers vs float64 full-batch training in one process.
 
     The images are ``offset`` away from zero, and a BN layer normalizes them
     first. ``dtype``: the network's (float64 keeps deep nets' rounding far below
-    the tolerance). ``fault``: ``'kill'`` (rank 1 kills itself before step 2), ``'stall'``
-    (rank 1 stops calling the network before step 2) or ``'bad_input'``
-    (rank 1 feeds the wrong channel count at step 2).
+    the tolerance). ``fault``: what goes wrong in step 2 (:func:`_fault`), or
+    ``'skip_alike'`` (every worker raises inside ``record()`` at step 2,
+    before any layer call, and skips that batch, as the reference does), or
+    ``'late'`` (worker 1 reaches its first step 3 timeouts late).
+    ``compression``: the Trainer's gradient compression (the kvstore's 2-bit,
+    or Horovod's float16). ``timeout``: the layers' (None: their default;
+    ``timeouts`` in the result).
     """
     worker = Worker(backend, devices, sizes)
     rng = np.random.RandomState(seed)
@@ -155,6 +250,8 @@ def train(backend, devices, sizes, steps=3, hybridize=False, image=8, seed=0, fa
     net = convert_model(build('conv', 'plain', layers=layers, input_norm=True),
                         kvstore=worker.kvstore, timeout=timeout)
     net.initialize(ctx=worker.ctxs)
+    first = next(b for b in _blocks(net) if isinstance(b, SyncBatchNorm))
+    timeouts = [first._timeout, first._remote_timeout]
     x0 = mx.nd.array(rng.randn(batch, 3, image, image), dtype='float32')
     ref(x0)
     net(x0.as_in_context(worker.ctxs[0]))
@@ -169,7 +266,7 @@ def train(backend, devices, sizes, steps=3, hybridize=False, image=8, seed=0, fa
         net.hybridize()
         ref.hybridize()
     loss_fn = gluon.loss.SoftmaxCrossEntropyLoss()
-    trainer = _trainer(worker, net, update_on_kvstore)
+    trainer = _trainer(worker, net, update_on_kvstore, compression)
     ref_trainer = gluon.Trainer(ref.collect_params(), 'sgd', dict(SGD))
     # Horovod averages over workers: scale the batch size to get the global mean
     step_batch = batch / worker.num_workers if worker.kvstore == 'horovod' else batch
@@ -179,7 +276,15 @@ def train(backend, devices, sizes, steps=3, hybridize=False, image=8, seed=0, fa
         x = (rng.randn(batch, 3, image, image) + offset).astype(np.float32)
         label = rng.randint(0, 5, batch).astype(np.float32)
         faulty = worker.rank == 1 and fault is not None
-        if faulty and step == (0 if fault == 'raise_first' else 1):
+        if fault == 'late' and faulty and step == 0:
+            time.sleep(3 * timeout)
+        elif fault == 'skip_alike' and step == 1:
+            try:
+                with autograd.record():
+                    raise RuntimeError('a bad batch, skipped by every worker')
+            except RuntimeError:
+                continue
+        elif faulty and step == (0 if fault == 'raise_first' else 1):
             x = _fault(fault, x)
         xs, labels = worker.slices(x.astype(dtype)), worker.slices(label.astype(dtype))
         with autograd.record():
@@ -203,7 +308,8 @@ def train(backend, devices, sizes, steps=3, hybridize=False, image=8, seed=0, fa
                 if os.environ.get('SCENARIO_VERBOSE'):
                     print('step', step, name, c, max_rel_err(p.data(c).asnumpy(),
                                                              rp.data().asnumpy()), flush=True)
-    return dict(errs, rank=worker.rank, operator=','.join(sorted(_operators(net))))
+    return dict(errs, rank=worker.rank, operator=','.join(sorted(_operators(net))),
+                timeouts=timeouts)
 
 
 def _fault(fault, x):
@@ -211,7 +317,9 @@ def _fault(fault, x):
     (SIGKILL), ``'stall'`` (stops calling), ``'bad_input'`` (returns ``x``
     with the wrong channel count), ``'raise'`` and ``'raise_first'`` (an
     exception between steps: before the second step, before the first),
-    ``'exit'`` (``sys.exit(3)``), ``'term'`` (SIGTERM), ``'interrupt'``
+    ``'exit'`` (``sys.exit(3)``), ``'exit_builtin'`` (the builtin
+    ``exit(3)``), ``'system_exit'`` (``raise SystemExit(3)``), ``'term'``
+    (SIGTERM), ``'interrupt'``
     (SIGINT: a KeyboardInterrupt); ``'raise_in_record'`` raises later, inside
     ``record()`` (see :func:`train`)."""
     print({'kill': 'killing myself', 'stall': 'stalling'}.get(fault, 'failing: ' + fault),
@@ -224,12 +332,22 @@ def _fault(fault, x):
         raise RuntimeError('worker 1 fails between steps')
     if fault == 'exit':
         sys.exit(3)
+    if fault == 'exit_builtin':
+        exit(3)  # noqa: F821 (site's builtin)
+    if fault == 'system_exit':
+        raise SystemExit(3)
     if fault == 'term':
         os.kill(os.getpid(), signal.SIGTERM)
     if fault == 'interrupt':
         os.kill(os.getpid(), signal.SIGINT)
         time.sleep(10)  # the KeyboardInterrupt comes at once
     return x[:, :2] if fault == 'bad_input' else x
+
+
+def _blocks(block):
+    yield block
+    for child in block._children.values():
+        yield from _blocks(child)
 
 
 def _operators(net):
@@ -243,12 +361,17 @@ def _operators(net):
     return found
 
 
-def precise_bn(backend, devices, sizes, batches=3, hybridize=False, seed=0, offset=1e3):
+def precise_bn(backend, devices, sizes, batches=3, hybridize=False, seed=0, offset=1e3,
+               spread=0.0, nan_first=False, short=None):
     """gluon_syncbn.update_bn_stats on tests.scenarios._PreciseNet across the
     workers, each with its slices of the same global batches, against float64
     maths on the global batches; ``digest``: a checksum of the running
     statistics, which must be the same on every worker, and ``differs``
-    whether this worker's devices disagree (0.0: they agree bit for bit)."""
+    whether this worker's devices disagree (0.0: they agree bit for bit).
+    ``spread``: the batches' means alternate between ``offset`` +- it.
+    ``nan_first``: a training step on a batch with a NaN first (its running
+    statistics NaN). ``short``: the rank whose data has one batch fewer (every
+    worker then uses one batch fewer)."""
     from tests.scenarios import (_PreciseNet, _precise_errors, _precise_float64,
                                  _running_statistics)
     if 0 in sizes:
@@ -263,15 +386,23 @@ def precise_bn(backend, devices, sizes, batches=3, hybridize=False, seed=0, offs
     net.bn1.beta.set_data(mx.nd.array(beta))
     if hybridize:
         net.hybridize(static_alloc=hybridize == 'static', static_shape=hybridize == 'static')
+    if nan_first:
+        x = np.full((int(sum(sizes)), channels, 4, 4), offset, np.float32)
+        x[0, 0, 0, 0] = np.nan
+        with autograd.record():
+            losses = [net(a) for a in worker.slices(x)]
+        autograd.backward(losses)
     xs = [(rng.randn(int(sum(sizes)), channels, 4, 4) * rng.uniform(0.5, 3)
-           + rng.uniform(-2, 2) + offset).astype(np.float32) for _ in range(batches)]
-    used = gluon_syncbn.update_bn_stats(net, [worker.slices(x) for x in xs], batches,
+           + rng.uniform(-2, 2) + offset + spread * (-1) ** b).astype(np.float32)
+          for b in range(batches)]
+    mine = xs[:-1] if worker.rank == short else xs
+    used = gluon_syncbn.update_bn_stats(net, [worker.slices(x) for x in mine], batches,
                                         progress=False)
-    expected = _precise_float64(xs, sizes, gamma, beta)
+    expected = _precise_float64(xs[:used], sizes, gamma, beta)
     got = _running_statistics(net, worker.ctxs)
     errs = _precise_errors(got, [expected[i] for i in worker.mine])
     errs['differs'] = float(any((a != b).any() for mine in got for a, b in zip(got[0], mine)))
-    errs['used_all'] = float(batches - used)
+    errs['used_all'] = float(len(xs) - (short is not None) - used)
     return dict(errs, rank=worker.rank, operator=net.bn1._sync_backend.name,
                 digest=zlib.crc32(b''.join(a.tobytes() for a in got[0])))
 
@@ -280,19 +411,24 @@ def out_of_step(backend, what, timeout=60.0, steps=3):
     """Worker 1 differs from worker 0 in ``what``: ``'channels'`` (its
     second layer has 6 channels, worker 0's 4), ``'dtype'`` (its network is
     float64), ``'layers'`` (it lacks worker 0's second layer: its second to
-    synchronize is worker 0's third, of the same width) or ``'calls'`` (it
-    calls the network twice per step). Nothing is read before the last step
-    is issued. Reports the error each worker raised."""
-    worker = Worker(backend, 1, [3, 2])
+    synchronize is worker 0's third, of the same width), ``'calls'`` (it
+    calls the network twice per step), ``'groups'`` (its layers have
+    sync_groups=1, worker 0's none) or ``'devices'`` (it has 2 devices,
+    worker 0 one, with sync_groups=2 on both). Nothing is read before the
+    last step is issued. Reports the error each worker raised."""
+    worker = Worker(backend, [1, 2] if what == 'devices' else 1,
+                    [3, 2, 2] if what == 'devices' else [3, 2])
     rng = np.random.RandomState(0)
     odd = worker.rank == 1
     widths = [4, 6 if odd and what == 'channels' else 4, 4]
     kept = [0, 2] if odd and what == 'layers' else [0, 1, 2]
+    groups = {'groups': 1 if odd else None, 'devices': 2}.get(what)
     net = gluon.nn.HybridSequential(prefix='net_')
     with net.name_scope():
         for i in kept:
             net.add(gluon.nn.Dense(widths[i], prefix='dense%d_' % i),
-                    SyncBatchNorm(kvstore=worker.kvstore, timeout=timeout, prefix='bn%d_' % i))
+                    SyncBatchNorm(kvstore=worker.kvstore, timeout=timeout, prefix='bn%d_' % i,
+                                  sync_groups=groups))
     net.initialize(ctx=worker.ctxs)
     if odd and what == 'dtype':
         net.cast('float64')
@@ -309,7 +445,9 @@ def out_of_step(backend, what, timeout=60.0, steps=3):
             losses.append(loss)
         mx.nd.waitall()
     except mx.base.MXNetError as exc:
-        print('RAISED', str(exc).splitlines()[-1], flush=True)
+        text = str(exc).splitlines()[-1]
+        print('RAISED %s: %s' % (type(exc).__name__, text.split(': ', 1)[-1]
+                                 if re.match(r'\w+: SyncBatchNorm', text) else text), flush=True)
         raise
     return dict(rank=worker.rank, operator=net[1]._sync_backend.name)
 
@@ -335,7 +473,32 @@ def healthy_end(backend, steps=6, lag=0.0):
     return dict(rank=worker.rank, operator=net[1]._sync_backend.name)
 
 
-SCENARIOS = {'layer': layer, 'train': train, 'precise_bn': precise_bn, 'out_of_step': out_of_step,
+def helper_lost(backend, flag, steps_after=0, timeout=5.0):
+    """Two training steps, then ``TRAINED`` and a wait until ``flag`` exists
+    (the test ends one of the job's own processes first), then
+    ``steps_after`` more steps."""
+    worker = Worker(backend, 1, [3, 2])
+    net = gluon.nn.HybridSequential()
+    net.add(gluon.nn.Dense(4), SyncBatchNorm(kvstore=worker.kvstore, timeout=timeout))
+    net.initialize(ctx=worker.ctxs)
+
+    def step():
+        with autograd.record():
+            loss = net(mx.nd.ones((worker.sizes[worker.rank], 5), ctx=worker.ctxs[0])).sum()
+        loss.backward()
+        mx.nd.waitall()
+    step()
+    step()
+    print('TRAINED', flush=True)
+    deadline = time.time() + 60
+    while not os.path.exists(flag) and time.time() < deadline:
+        time.sleep(0.1)
+    for _ in range(steps_after):
+        step()
+    return dict(rank=worker.rank, operator=net[1]._sync_backend.name)
+
+
+SCENARIOS = {'layer': layer, 'moves': moves, 'train': train, 'helper_lost': helper_lost, 'precise_bn': precise_bn, 'out_of_step': out_of_step,
              'healthy_end': healthy_end}
 
 if __name__ == '__main__':

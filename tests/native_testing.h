@@ -10,11 +10,12 @@ namespace {
 
 // For tests: `workers` workers of which the others send what `mode` says, as
 // an engine operation on the buffer like a real engine's:
-//   "same"     the others send this worker's payload (sum = workers x payload)
+//   "same"     the others send this worker's payload: every worker's row is
+//              this one's (and the ownership this one's, workers times)
 //   "call"     ... with the call number one ahead (workers out of step)
-//   "channels" ... describing each layer with 2 channels more (its LAYER row)
-//   "float32"  ... each payload rounded to float32 (summed as MXNet 1.9.1's
-//              kvstore server does where it takes float64 keys for float32)
+//   "channels" ... describing each layer with 2 channels more (kKeysKind rows)
+//   "float32"  ... through float32 keys, every number rounded to float32 as it
+//              is summed (MXNet 1.9.1's kvstore server)
 //   "scale"    the sum comes back scaled by 0.45 (an optimizer on the server)
 //   "never"    a layer's reduction never completes
 //   "fail"     a layer's reduction fails on the buffer (as Horovod reports errors)
@@ -24,6 +25,7 @@ class LoopbackTransport : public Transport {
     workers = workers_;
     name = "loopback";
     read_property_ = kNoSkip;
+    float32_keys_ = mode == "float32";
   }
 
  protected:
@@ -31,38 +33,42 @@ class LoopbackTransport : public Transport {
     LoopbackTransport* self;
     Buffer buffer;
     size_t row;  // the numbers each worker fills in its own row (wire.h)
+    bool control;
   };
   // The other workers' rows are copies of this one's (row 0); the rest of
   // the sum is this worker's W times, as if every worker had sent its payload.
   static void run(void*, void* on_complete, void* param) {
     auto* job = static_cast<Job*>(param);
-    double* v = job->buffer.data;
+    std::vector<double> v = job->buffer.read();
     const size_t size = job->buffer.size, row = job->row;
     const std::string& mode = job->self->mode_;
     const auto& complete = *static_cast<mxnet::engine::CallbackOnComplete*>(on_complete);
-    if (mode == "fail" && row == kCheckRow)
+    if (mode == "fail" && !job->control)
       return fail_operation(complete, "loopback: the reduction failed");
     const int w = job->self->workers;
-    for (int r = 1; r < w; ++r) std::copy(v, v + row, v + r * row);
-    for (size_t i = w * row; i < size; ++i)
-      v[i] = (mode == "float32" ? static_cast<float>(v[i]) : v[i]) * w;
-    if (mode == "call" && row == kCheckRow)
+    for (int r = 1; r < w; ++r) std::copy(v.begin(), v.begin() + row, v.begin() + r * row);
+    for (size_t i = w * row; i < size; ++i) v[i] *= w;
+    if (mode == "float32")
+      for (double& x : v) x = static_cast<float>(x);
+    if (mode == "call" && !job->control)
       for (int r = 1; r < w; ++r) v[r * row + 1] += 1;
-    if (mode == "channels" && row == kLayerRow)
-      for (int r = 1; r < w; ++r) v[r * row] += 2;
+    if (mode == "channels" && job->control && v[0] == kKeysKind)
+      for (int r = 1; r < w; ++r) v[r * row + 1] += 2;
     if (mode == "scale")
-      for (size_t i = 0; i < size; ++i) v[i] *= 0.45;
+      for (double& x : v) x *= 0.45;
+    job->buffer.write(v);
     complete();
   }
   static void delete_job(void* param) { delete static_cast<Job*>(param); }
 
   void reduce(int slot, int, const Buffer& buffer, std::function<void()> then,
               std::function<void(const std::string&)> failed) override {
-    if (mode_ == "never" && slot != kLayerSlot) return;
+    const bool control = slot == kControlSlot;
+    if (mode_ == "never" && !control) return;
     NDArrayHandle array = buffer.array;
-    const size_t row = slot == kLayerSlot ? kLayerRow : kCheckRow;
-    if (MXEnginePushAsyncND(run, new Job{this, buffer, row}, delete_job, kCPU0, nullptr, 0, &array,
-                            1, nullptr, 0, "gluon_syncbn_loopback", false) != 0)
+    if (MXEnginePushAsyncND(run, new Job{this, buffer, buffer.row, control}, delete_job, kCPU0,
+                            nullptr, 0, &array, 1, nullptr, 0, "gluon_syncbn_loopback",
+                            false) != 0)
       return failed(last_mxnet_error());
     then();
   }
@@ -153,8 +159,23 @@ int64_t gsbn_test_count(const char* what, int transport) {
   return n;
 }
 
+// wire.h's combine(dir, a, b) of two vectors of `size` numbers, into `out`.
+void gsbn_test_combine(int dir, const double* a, const double* b, int size, double* out) {
+  std::copy(a, a + size, out);
+  combine(dir, out, b, size);
+}
+
+// wire.h's encode_exact of `value` in `numbers` numbers, each then held as a
+// float32 key holds it where `numbers` is 4, into out[0 .. numbers), and
+// their decode_exact into out[numbers].
+void gsbn_test_encode(double value, int numbers, double* out) {
+  encode_exact(value, numbers, out);
+  for (int i = 0; i < numbers && numbers == 4; ++i) out[i] = static_cast<float>(out[i]);
+  out[numbers] = decode_exact(out, numbers);
+}
+
 // stats.h on the given per-channel inputs of C channels (tests/test_native_stats.py):
-// forward_contribution(count, m1, m2, v), merge(total), then with its
+// forward_contribution(count, m1, m2, v), global_statistics(total), then with its
 // statistics normalize_coefficients, backward_contribution(d_scale, d_shift)
 // and local_moment_grads(backward_total). `out` gets their results one after
 // another: 1 + 2C, 1 + 2C (n, mean, var), 2C (scale, shift), 3C
@@ -170,7 +191,7 @@ void gsbn_test_stats(int C, double count, const double* m1, const double* m2, co
   p.fix_gamma = fix_gamma != 0;
   const std::vector<double> centre = vec(m1, C);
   emit(forward_contribution(count, centre, vec(m2, C), vec(v, C)));
-  const Info stats = merge(vec(total, 1 + 2 * C));
+  const Info stats = global_statistics(vec(total, 1 + 2 * C));
   emit({stats.n});
   emit(stats.mean);
   emit(stats.var);

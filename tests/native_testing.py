@@ -17,6 +17,8 @@ def entry_points(lib):
             ('gsbn_test_count', [c.c_char_p, c.c_int], c.c_int64),
             ('gsbn_test_cuda_stand_in', [], None),
             ('gsbn_test_cuda_calls', [c.c_int, c.c_int64], c.c_int64),
+            ('gsbn_test_combine', [c.c_int, doubles, doubles, c.c_int, doubles], None),
+            ('gsbn_test_encode', [c.c_double, c.c_int, doubles], None),
             ('gsbn_test_stats', [c.c_int, c.c_double] + [doubles] * 6 +
              [c.c_double, c.c_int] + [doubles] * 4, None)]:
         function = getattr(raw, name)
@@ -51,3 +53,22 @@ def cuda_calls(lib, fail_at=-1):
     raw = entry_points(lib)
     return {name: raw.gsbn_test_cuda_calls(i, fail_at if i == 0 else -1)
             for i, name in enumerate(CUDA_CALLS)}
+
+
+def combine(lib, direction, a, b):
+    """``native/wire.h``'s ``combine`` of two float64 vectors (0: FORWARD, 1: BACKWARD)."""
+    import numpy as np  # pylint: disable=import-outside-toplevel
+    a, b = np.ascontiguousarray(a, np.float64), np.ascontiguousarray(b, np.float64)
+    out = np.zeros_like(a)
+    ptr = ctypes.POINTER(ctypes.c_double)
+    entry_points(lib).gsbn_test_combine(direction, a.ctypes.data_as(ptr), b.ctypes.data_as(ptr),
+                                        a.size, out.ctypes.data_as(ptr))
+    return out
+
+
+def encode(lib, value, numbers):
+    """``(numbers, decoded)``: ``native/wire.h``'s exact encoding of
+    ``value`` as a key of ``numbers`` numbers per value holds it, decoded."""
+    out = (ctypes.c_double * (numbers + 1))()
+    entry_points(lib).gsbn_test_encode(value, numbers, out)
+    return list(out[:numbers]), out[numbers]

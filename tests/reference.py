@@ -43,6 +43,18 @@ def max_rel_err(actual, expected):
     return float(np.abs(actual - expected).max() / scale)
 
 
+def max_rel_err_where_finite(actual, expected):
+    """:func:`max_rel_err` over the numbers ``expected`` holds finite; where
+    it holds a NaN or an infinity (the call it came from had one), ``actual``
+    must not be finite either, or the error is infinite."""
+    actual = np.asarray(actual, np.float64)
+    expected = np.asarray(expected, np.float64)
+    odd = ~np.isfinite(expected)
+    if actual.shape != expected.shape or np.isfinite(actual[odd]).any():
+        return float('inf')
+    return max_rel_err(actual[~odd], expected[~odd])
+
+
 def worst(*errors):
     """The largest of ``errors``, NaN counted as infinite (builtin ``max`` drops
     a NaN that is not its first argument)."""
@@ -52,8 +64,8 @@ def worst(*errors):
 class WorstErrors(dict):
     """Worst relative error per quantity over a run: ``errs.note(name, actual, expected)``."""
 
-    def note(self, name, actual, expected):
-        self[name] = worst(self.get(name, 0.0), max_rel_err(actual, expected))
+    def note(self, name, actual, expected, compare=max_rel_err):
+        self[name] = worst(self.get(name, 0.0), compare(actual, expected))
 
 
 def grouped_batchnorm_float64(x_parts, dy_parts, groups, gamma, beta, axis=1, eps=1e-5):

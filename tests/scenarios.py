@@ -809,9 +809,12 @@ def device_copy_fails(direction='forward', num_devices=3, hybridize=False, seed=
 
 
 @scenario
-def user_code_raises(num_devices=3, hybridize=False, timeout_seconds=60.0, seed=0):
+def user_code_raises(num_devices=3, hybridize=False, timeout_seconds=60.0, seed=0,
+                     after_forward=False):
     """Device 1's forward raises in user code inside autograd.record(): the call
-    already issued for device 0 must fail at once, and the next step recover."""
+    already issued for device 0 must fail at once, and the next step recover.
+    ``after_forward``: user code raises later, once every device's forward
+    pass has completed."""
     rng = np.random.RandomState(seed)
     ctxs = contexts(num_devices)
     shape = (num_devices, 3, 4, 4)
@@ -822,9 +825,11 @@ def user_code_raises(num_devices=3, hybridize=False, timeout_seconds=60.0, seed=
         with autograd.record():
             outs = []
             for a in arrays:
-                if a.context == ctxs[1]:
+                if a.context == ctxs[1] and not after_forward:
                     raise ValueError('user code failed on device 1')
                 outs.append(net(a))
+            mx.nd.waitall()
+            raise ValueError('user code failed after the forward pass')
 
     msg, kind, _ = _capture(step)
     start = time.time()

@@ -18,38 +18,64 @@ asynchronous operator computes its own, ``native/stats.h``):
     the (biased) variance of ``x - m1``, the local variance: MXNet's
     ``moments`` operator gives ``m2`` and ``v`` together.
 
-Centering on ``m1`` first keeps the sums free of catastrophic cancellation even
-when ``|mean| >> std`` (e.g. ``1e4 + randn`` in float32). The devices' moments
-are merged exactly by summing, in float64, ``n``, ``n*mean`` and
-``n*(var + mean**2)`` (Chan's parallel formula written as sums: one
-all-reduce, whatever the transport). The only rounding left is float64's,
-about ``1e-16 * mean**2 / var`` relative.
+Centering on ``m1`` first keeps the moments free of catastrophic
+cancellation even when ``|mean| >> std`` (e.g. ``1e4 + randn`` in float32).
+The devices' vectors ``[n, mean, n*var]`` are combined with Chan's parallel
+formula in float64 (:func:`combine_forward`), exact whatever their means.
 
-Backward needs the global sums of ``dy`` and ``dy * (x - mean)`` (one
-all-reduce of ``2*C`` numbers), those of the textbook formula.
+Backward needs the global sums of ``dy`` and ``dy * (x - mean)`` (``2*C``
+numbers), those of the textbook formula.
 
-The vectors' layouts are :mod:`gluon_syncbn.wire`'s.
+The vectors' layouts are ``native/wire.h``'s (FORWARD, BACKWARD), packed
+and combined here as there.
 
 All functions take and return 1-D float64 arrays of length ``C`` (channels).
 """
 import numpy as np
 
-from gluon_syncbn import wire
+__all__ = ['pack_forward', 'combine_forward', 'forward_contribution', 'combine',
+           'global_statistics', 'normalize_coefficients', 'backward_contribution',
+           'local_moment_grads']
 
-__all__ = ['forward_contribution', 'merge', 'normalize_coefficients',
-           'backward_contribution', 'local_moment_grads']
+
+def pack_forward(count, mean, var):
+    """``FORWARD`` for ``count`` samples per channel of mean ``mean``, variance ``var``."""
+    return np.concatenate(([float(count)], mean, count * var))
+
+
+def combine_forward(a, b):
+    """The ``FORWARD`` vector of the slices of ``a`` and ``b`` together (Chan's formula)."""
+    na, nb = a[0], b[0]
+    if nb == 0:
+        return a.copy()
+    if na == 0:
+        return b.copy()
+    channels, n = (a.size - 1) // 2, na + nb
+    delta = b[1:1 + channels] - a[1:1 + channels]
+    return np.concatenate(([n], a[1:1 + channels] + delta * (nb / n),
+                           a[1 + channels:] + b[1 + channels:] + delta * delta * (na * nb / n)))
 
 
 def forward_contribution(count, m1, m2, v):
-    """The vector ``[n, n*mean, n*(var + mean**2)]`` one device adds to the sum."""
-    return wire.pack_forward(count, m1 + m2, np.maximum(v, 0.0))
+    """This device's ``FORWARD`` vector ``[n, mean, n*var]``."""
+    return pack_forward(count, m1 + m2, np.maximum(v, 0.0))
 
 
-def merge(total):
-    """Global ``(n, mean, biased var)`` from the summed forward contributions
+def combine(vectors):
+    """The ``FORWARD`` vectors of several slices, combined in order (as the
+    meetings combine them: ``native/wire.h``, ``combine_forward``)."""
+    total = np.zeros_like(vectors[0])
+    for v in vectors:
+        total = combine_forward(total, v)
+    return total
+
+
+def global_statistics(total):
+    """Global ``(n, mean, biased var)`` from the combined forward contributions
     (``n > 0``: the meeting refuses an empty batch first)."""
-    n, mean, mean_sq = wire.unpack_forward(total)
-    return n, mean, np.maximum(mean_sq - mean * mean, 0.0)
+    channels = (total.size - 1) // 2
+    n = total[0]
+    return n, total[1:1 + channels], np.maximum(total[1 + channels:] / n, 0.0)
 
 
 def normalize_coefficients(mean, var, m1, gamma, beta, eps):
@@ -72,7 +98,7 @@ def backward_contribution(d_scale, d_shift, mean, m1, inv_std):
     Returns ``(contribution, d_gamma, d_beta)``.
     """
     sum_dy_xc = d_scale - d_shift * (mean - m1)        # = sum(dy * (x - mean))
-    return wire.pack_backward(d_shift, sum_dy_xc), sum_dy_xc * inv_std, d_shift
+    return np.concatenate((d_shift, sum_dy_xc)), sum_dy_xc * inv_std, d_shift
 
 
 def local_moment_grads(total, count, n, mean, local_mean, gamma, inv_std):
@@ -82,7 +108,7 @@ def local_moment_grads(total, count, n, mean, local_mean, gamma, inv_std):
     ``m1`` is a constant (see above), so these carry the whole gradient of the
     statistics: ``dL/dx = dy*scale + d_m2/count + d_v*2*(x - local_mean)/count``.
     """
-    sum_dy, sum_dy_xc = wire.unpack_backward(total)
+    sum_dy, sum_dy_xc = np.split(total, 2)
     g_delta = -sum_dy * gamma * inv_std                # dL/d(global mean)
     g_var = -0.5 * sum_dy_xc * gamma * inv_std ** 3    # dL/d(global var)
     w = count / n

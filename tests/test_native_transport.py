@@ -15,6 +15,7 @@ import pytest
 from tests.conftest import PATH_OPERATOR, PATHS, _run, run_batch, run_python, run_scenario
 
 EXACT = 2e-6  # float32 against float64, as in the one-process tests
+RECOVERED = 1e-5  # a step after a failure, float32 against float64 (test_faults.py)
 
 # With mode 'same' the other worker holds a copy of this process's batch, so
 # the global statistics are this process's and every result must equal one
@@ -81,8 +82,10 @@ FATAL_CASES = {
     # the other worker claims this one's devices (0, 1) instead of its own (2, 3)
     'device numbering': ('same', 'one_step', dict(sync_groups=[[0, 2], [1, 3]]),
                          r'disagree on the global device numbering.*\[0, 1, 2, 3\]'),
-    'local failure': ('same', 'bad_input_on_one_device', dict(problem='channels'),
-                      r'a SyncBatchNorm step failed on worker 0: .*channel'),
+    # the step's reductions had left this worker: the others wait for its next ones
+    'local failure': ('same', 'user_code_raises', dict(after_forward=True),
+                      r'a SyncBatchNorm step failed on worker 0: .*user code failed after the '
+                      r'forward pass'),
 }
 
 
@@ -98,6 +101,18 @@ def test_a_failed_reduction_is_an_error_then_ends_the_process(case, path):
     assert re.search(expected, output, re.S), output[-4000:]
     assert re.search(r'gluon_syncbn: worker 0 exits after a failed cross-process reduction:',
                      output), output[-4000:]
+
+
+@pytest.mark.parametrize('path', ['async', 'exchange'])
+def test_a_step_abandoned_before_its_reductions_costs_nothing_more(path):
+    """Bad input on one device at the step's first call: no reduction of
+    the step left the process, so the step fails alone and the next one
+    (through the transport) is exact, as in one process."""
+    env = dict(PATHS[path], SCENARIO_TRANSPORT='loopback:same')
+    result = run_scenario('bad_input_on_one_device', env=env, problem='channels')
+    assert result['type'] == 'SyncBatchNormError', result
+    assert 'input has 4 channels on axis 1' in result['message'], result
+    assert result['recovered'] < RECOVERED and result['seconds'] < 30, result
 
 
 def test_a_deleted_store_is_an_error_naming_the_fix():

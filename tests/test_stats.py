@@ -24,9 +24,9 @@ def local_moments(x):
 def sync_bn(parts, dys, gamma, beta, eps=1e-5):
     """Forward and backward of SyncBN over ``parts`` using only tests/stats.py."""
     moments = [local_moments(p) for p in parts]
-    total = sum(stats.forward_contribution(p.size // p.shape[1], m1, m2, v)
-                for p, (_, m1, m2, v) in zip(parts, moments))
-    n, mean, var = stats.merge(total)
+    total = stats.combine([stats.forward_contribution(p.size // p.shape[1], m1, m2, v)
+                           for p, (_, m1, m2, v) in zip(parts, moments)])
+    n, mean, var = stats.global_statistics(total)
     ys, saved, bwd = [], [], []
     for p, dy, (xc, m1, m2, v) in zip(parts, dys, moments):
         scale, shift, inv = stats.normalize_coefficients(mean, var, m1, gamma, beta, eps)
@@ -73,8 +73,9 @@ def test_merge_is_exact_where_float32_moments_cancel():
     rng = np.random.RandomState(0)
     x = (1e4 + rng.randn(6, 2, 8, 8)).astype(np.float32)
     parts = [x[:1], x[1:6]]
-    total = sum(stats.forward_contribution(p.size // 2, *local_moments(p)[1:]) for p in parts)
-    _, mean, var = stats.merge(total)
+    total = stats.combine([stats.forward_contribution(p.size // 2, *local_moments(p)[1:])
+                           for p in parts])
+    _, mean, var = stats.global_statistics(total)
     ref = x.astype(np.float64)
     assert np.allclose(mean, ref.mean(axis=(0, 2, 3)), rtol=1e-12, atol=1e-9)
     assert np.allclose(var, ref.var(axis=(0, 2, 3)), rtol=1e-6)

@@ -125,6 +125,8 @@ def make_backend(layer, devices, transport):
     choice = choose(devices, transport)
     if choice.backend is None:
         raise SyncBatchNormError("SyncBatchNorm '%s': %s" % (layer.name, choice.reason))
+    if transport.cross_process:
+        transport.agree_on_layer(native.load(), layer, devices)
     cls, functions = ((AsyncBackend, native.async_operator()) if choice.backend == 'async'
                       else (ExchangeBackend, native.exchange_operator()))
     backend = cls(layer, devices, transport, native.load(), functions)

@@ -53,7 +53,7 @@ class Backend(object):
         self.layer_name = layer.name
         self.devices = list(devices)
         self.kwargs = layer._kwargs
-        self.timeout = layer._timeout
+        self.timeout, self.remote_timeout = layer._timeout, layer._remote_timeout
         self.transport = transport
         self.hint = timeout_hint(self.devices)
         self._layer = weakref.ref(layer)

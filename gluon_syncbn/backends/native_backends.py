@@ -32,8 +32,8 @@ def native_layer(backend, lib):
                 owners = [1.0 if rank * local <= d < (rank + 1) * local else 0.0
                           for d in range(local * workers)]
     handle = lib.create_layer(backend.layer_name, backend.devices, backend.timeout,
-                              backend.hint, backend.sync_group_of, len(backend.sync_groups),
-                              twin, owners)
+                              backend.remote_timeout, backend.hint, backend.sync_group_of,
+                              len(backend.sync_groups), twin, owners)
     # Not at interpreter exit: the exit hook still needs the layer then.
     weakref.finalize(backend, lib.remove_layer, handle).atexit = False
     return handle

@@ -129,7 +129,7 @@ bool async_infer_type(const nnvm::NodeAttrs& attrs, std::vector<int>* in,
   const int data = (*in)[0];
   if (data < 0) return false;
   if (!is_float(data))  // the layer's name only then: this runs at every imperative call
-    LOG(FATAL) << dtype_problem(layer_name(node_params(attrs)), "its input", data);
+    refuse(dtype_problem(layer_name(node_params(attrs)), "its input", data));
   const int param = (*in)[1] >= 0 ? (*in)[1] : kFloat32;
   for (int i = 1; i < 5; ++i) (*in)[i] = param;
   (*out)[0] = data;

@@ -337,8 +337,8 @@ bool exchange_infer_type(const nnvm::NodeAttrs& attrs, std::vector<int>* in,
                          std::vector<int>* out) {
   const int stat = (*in)[kM2];
   if (stat < 0) return false;
-  CHECK(stat != kFloat16) << message("float16_statistics",
-                                     {{"layer", layer_name(node_params(attrs))}});
+  if (stat == kFloat16)
+    refuse(message("float16_statistics", {{"layer", layer_name(node_params(attrs))}}));
   (*in)[kM1] = (*in)[kV] = stat;
   if ((*in)[kData] < 0) (*in)[kData] = stat;  // its shape only
   const int param = (*in)[kGamma] >= 0 ? (*in)[kGamma] : stat;

@@ -41,6 +41,11 @@ std::string failure_text(const std::string& message,
   return kind + ": " + message;
 }
 
+// Raises `message` where MXNet runs our code as it issues a call (shape and
+// type inference, an operator state's creation, a gradient's construction):
+// MXNet's C API reads the log line's text after its header the same way.
+void refuse(const std::string& message) { LOG(FATAL) << failure_text(message); }
+
 // Completes an engine operation with `error` (failure_text's), one failure
 // at a time.
 void fail_operation(const mxnet::engine::CallbackOnComplete& on_complete,

@@ -32,8 +32,8 @@ class Library(object):
         for name, argtypes, restype in [
                 ('gsbn_init', [c.c_char_p], None),
                 ('gsbn_register', [c.c_char_p], c.c_int),
-                ('gsbn_layer_create', [c.c_char_p, c.c_char_p, c.c_int, c.c_double, c.c_char_p,
-                                       c.POINTER(c.c_int), c.c_int, c.c_int,
+                ('gsbn_layer_create', [c.c_char_p, c.c_char_p, c.c_int, c.c_double, c.c_double,
+                                       c.c_char_p, c.POINTER(c.c_int), c.c_int, c.c_int,
                                        c.POINTER(c.c_double), c.c_int], c.c_int64),
                 ('gsbn_layer_remove', [c.c_int64], None),
                 ('gsbn_stamp_static', [c.POINTER(c.c_int64), c.POINTER(c.c_int), c.c_int],
@@ -51,7 +51,12 @@ class Library(object):
                 ('gsbn_transport_create', [c.c_char_p, c.c_void_p, c.c_int, c.c_int, c.c_int,
                                            c.c_char_p, c.c_double], c.c_int),
                 ('gsbn_transport_close', [c.c_int, c.c_char_p], None),
-                ('gsbn_store_lock', [c.c_int, c.c_int], None)]:
+                ('gsbn_store_lock', [c.c_int, c.c_int], None),
+                ('gsbn_compare_layer', [c.c_int, c.c_char_p, c.c_int, c.c_char_p, c.c_double,
+                                        c.c_char_p, c.c_int], c.c_int),
+                ('gsbn_agree_on_batch', [c.c_int, c.c_int, c.c_int, c.c_double,
+                                         c.POINTER(c.c_int), c.POINTER(c.c_int), c.c_char_p,
+                                         c.c_int], c.c_int)]:
             function = getattr(lib, name)
             function.argtypes, function.restype = argtypes, restype
 
@@ -66,14 +71,37 @@ class Library(object):
         """Register operator ``'async'`` or ``'exchange'`` in MXNet; True on success."""
         return self._lib.gsbn_register(op.encode()) == 0
 
-    def create_layer(self, name, devices, timeout, hint, sync_group_of, num_sync_groups,
-                     transport=0, owners=()):
+    def create_layer(self, name, devices, timeout, remote_timeout, hint, sync_group_of,
+                     num_sync_groups, transport=0, owners=()):
         """A layer's state on ``devices`` in the native session; returns its handle."""
         c = ctypes
         return self._lib.gsbn_layer_create(
             name.encode(), b'\0'.join(d.encode() for d in devices), len(devices),
-            float(timeout), hint.encode(), (c.c_int * len(devices))(*sync_group_of),
-            num_sync_groups, transport or 0, (c.c_double * len(owners))(*owners), len(owners))
+            float(timeout), float(remote_timeout), hint.encode(),
+            (c.c_int * len(devices))(*sync_group_of), num_sync_groups, transport or 0,
+            (c.c_double * len(owners))(*owners), len(owners))
+
+    def compare_layer(self, transport, name, devices, sync_groups, timeout):
+        """'' where every worker's layer made in this one's place has the
+        same sync groups, else why not (fatal to the process)."""
+        return self._text(lambda buf: self._lib.gsbn_compare_layer(
+            transport, name.encode(), devices, sync_groups.encode(), float(timeout), buf,
+            len(buf)))
+
+    def agree_on_batch(self, transport, batch, has, timeout, workers):
+        """``(why not, the workers without update_bn_stats' batch ``batch``)``:
+        ``('', [...])`` once every worker said whether it has it."""
+        c = ctypes
+        lacking, num = (c.c_int * workers)(), c.c_int(0)
+        why = self._text(lambda buf: self._lib.gsbn_agree_on_batch(
+            transport, batch, int(has), float(timeout), lacking, c.byref(num), buf, len(buf)))
+        return why, list(lacking[:num.value])
+
+    @staticmethod
+    def _text(call):
+        """'' where ``call(buffer)`` returns 0, else the text it wrote."""
+        buf = ctypes.create_string_buffer(_TEXT)
+        return '' if call(buf) == 0 else buf.value.decode('utf-8', 'replace')
 
     def remove_layer(self, layer):
         self._lib.gsbn_layer_remove(layer)

@@ -1,10 +1,10 @@
-// The session and the call-order barrier of the native operators: which step
-// a call belongs to, how the k-th calls of the devices meet, and how a step
-// fails. Nothing here waits: a device's call hands its vector over with a
+// The session and the meeting of the native operators: which step a call
+// belongs to, how the k-th calls of the devices meet, and how a step fails.
+// Nothing here waits: a device's call hands its vector over with a
 // continuation, which runs once the meeting is complete or has failed.
-// Across processes a meeting has a remote phase: the process's sum goes
-// through the layer's transport (transport.h), and the checked sum over all
-// workers completes it; a failure there is fatal (see fatal_locked).
+// Across processes a meeting has a remote phase: the process's vector goes
+// through the layer's transport (transport.h), and the checked combination
+// of every worker's completes it; a failure there is fatal (see fatal_locked).
 // Included once, by syncbn.cc.
 #pragma once
 #include <mxnet/c_api.h>
@@ -58,10 +58,13 @@ int64_t g_next_handle = 1;
 std::vector<std::weak_ptr<Layer>>& g_live = *new std::vector<std::weak_ptr<Layer>>();
 // Across processes: set once a failure broke synchronization with the other
 // workers (then every later remote meeting fails at once, and the process
-// ends: fatal_locked); this worker's rank once a layer's sums leave it.
+// ends: fatal_locked); this worker's rank once a layer's sums leave it;
+// whether a reduction left this worker since the current step began (an
+// abort is then fatal: the other workers wait for this step's later ones).
 std::string& g_broken = *new std::string();
 int g_remote_rank = -1;
 double g_exit_grace = 30.0;
+bool g_remote_in_step = false;
 
 // The watchdog (see watchdog()). When it wakes next (at the latest a second
 // from its last look): only a meeting with an earlier deadline needs to
@@ -88,10 +91,6 @@ struct Meeting {
   std::vector<std::pair<int, Waiter>> waiters;  // the devices' continuations
   std::chrono::steady_clock::time_point deadline;
   bool remote = false;                      // in the remote phase (across processes)
-  // Across processes: this process's sums, and for a forward meeting the
-  // round (1: the means, 2: the sums about the shift; see start_remote_locked).
-  std::vector<double> local;
-  int round = 0;
   Meeting(uint64_t t, int n) : token(t), values(n), dtypes(n) {}
 };
 
@@ -100,7 +99,9 @@ struct Layer : std::enable_shared_from_this<Layer> {
   std::vector<std::string> devices;
   std::vector<int> sync_group_of;  // each device's sync group (sync_groups), 0 by default
   int num_sync_groups = 1;
-  double timeout;
+  // Seconds a device waits for the others in this process, and a process
+  // for the other workers (the remote phase, and the setup at a first call).
+  double timeout, remote_timeout;
   uint64_t counter_token = 0;
   std::vector<int64_t> next_call;
   std::map<Key, std::shared_ptr<Meeting>> meetings;
@@ -110,10 +111,6 @@ struct Layer : std::enable_shared_from_this<Layer> {
   std::shared_ptr<Transport> transport;
   int slot = -1;
   std::vector<double> ownership;
-  // The shift forward sums travel about (wire.h, shift_forward): per sync
-  // group and channel, the global means of the layer's last forward call,
-  // the same on every worker; empty before its first.
-  std::vector<double> shift;
   // Static graphs: per device, 1 + the token of the step its next calls
   // were issued in, as the last stamp set it (gsbn_stamp_static; 0: none yet).
   std::vector<uint64_t> static_token;
@@ -197,13 +194,52 @@ void fatal_locked(const std::string& cause) {
   }).detach();
 }
 
-// Fail every waiting meeting: the step is over (lock held). Fatal once
-// this worker's sums leave it, except at interpreter exit. Every meeting
-// goes: a call of the aborted step that arrives later is refused by its
-// token (meet_async), so none of them can be joined again.
+// Whether aborting the step now leaves other workers waiting for this one
+// (lock held): a reduction of its left this worker since the step began
+// (the others wait for its later ones), or one is in flight. A step every
+// worker abandons alike before any of its reductions costs nothing more:
+// each worker's token advances, and their next reductions agree.
+bool others_wait_locked() {
+  if (g_remote_in_step) return true;
+  for (auto& g : live_layers_locked())
+    for (auto& e : g->meetings)
+      if (e.second->remote && !e.second->done && e.second->error.empty()) return true;
+  return false;
+}
+
+// A kvstore worker cannot end cleanly once its job's scheduler is gone:
+// ps-lite's barriers meet there, the store's final one (when the store is
+// destroyed, at the latest at the process's exit) among them, and would wait
+// for ever; nothing else tells the worker. So from the transport's creation
+// a thread looks every two seconds whether the engine's own processes can
+// still answer; if not, and the process still lives a few seconds later
+// (the scheduler also ends once every worker passed that final barrier,
+// and a worker past it exits at once), it ends the process, saying why.
+void watch_helpers(const std::shared_ptr<Transport>& t) {
+  std::thread([t]() {
+    for (;;) {
+      std::this_thread::sleep_for(std::chrono::seconds(2));
+      const std::string gone = t->helpers_gone();
+      if (!gone.empty()) {
+        std::this_thread::sleep_for(std::chrono::seconds(5));
+        const std::string text =
+            message("exit_helpers_gone", {{"rank", std::to_string(t->rank)}, {"why", gone}});
+        std::fflush(stdout);
+        std::fprintf(stderr, "%s\n", text.c_str());
+        std::fflush(stderr);
+        std::_Exit(1);
+      }
+    }
+  }).detach();
+}
+
+// Fail every waiting meeting: the step is over (lock held). Fatal where
+// other workers wait for this one's reductions, except at interpreter exit.
+// Every meeting goes: a call of the aborted step that arrives later is
+// refused by its token (meet_async), so none of them can be joined again.
 void abort_locked(const std::string& cause, const std::string& kind = kSyncBatchNormError,
                   bool exiting = false) {
-  if (!exiting && g_remote_rank >= 0)
+  if (!exiting && g_remote_rank >= 0 && others_wait_locked())
     fatal_locked(message("worker_step_failed",
                          {{"rank", std::to_string(g_remote_rank)}, {"cause", cause}}));
   ++g_token;
@@ -247,11 +283,11 @@ std::string join(const std::vector<std::string>& items) {
   return out;
 }
 
-// ---------------------------------------------------------------- barrier --
+// ---------------------------------------------------------------- meeting --
 // The k-th call of a layer on each device meets the k-th call on the others.
-// The last device to arrive checks that they agree and sums their vectors in
-// device order (the same rounding whatever the arrival order). Every wait ends
-// at the layer's timeout. Returns false with `error` set on failure.
+// The last device to arrive checks that they agree and combines their vectors
+// in device order (the same rounding whatever the arrival order). Every wait
+// ends at the layer's timeout.
 
 // A meeting goes once every device has taken its outcome (lock held).
 void release_locked(Layer& g, const Key& key, const std::shared_ptr<Meeting>& ex) {
@@ -261,11 +297,11 @@ void release_locked(Layer& g, const Key& key, const std::shared_ptr<Meeting>& ex
   }
 }
 
-// When a wait of the layer's timeout that starts now ends.
-std::chrono::steady_clock::time_point deadline_of(const Layer& g) {
+// When a wait of `seconds` that starts now ends.
+std::chrono::steady_clock::time_point deadline_in(double seconds) {
   return std::chrono::steady_clock::now() +
          std::chrono::duration_cast<std::chrono::steady_clock::duration>(
-             std::chrono::duration<double>(g.timeout));
+             std::chrono::duration<double>(seconds));
 }
 
 // The meeting of `key`, created by its first device (lock held).
@@ -273,12 +309,12 @@ std::shared_ptr<Meeting> meeting_locked(Layer& g, const Key& key) {
   auto& slot = g.meetings[key];
   if (!slot) {
     slot = std::make_shared<Meeting>(std::get<1>(key), static_cast<int>(g.devices.size()));
-    slot->deadline = deadline_of(g);
+    slot->deadline = deadline_in(g.timeout);
   }
   return slot;
 }
 
-// Why a summed FORWARD vector cannot be used: a sync group of this
+// Why a combined FORWARD vector cannot be used: a sync group of this
 // process's devices has no samples at all ("" if none).
 std::string empty_batch(const Layer& g, const Key& key, const std::vector<double>& result) {
   if (std::get<0>(key) != 0) return "";
@@ -295,8 +331,8 @@ std::string empty_batch(const Layer& g, const Key& key, const std::vector<double
 
 std::string start_remote_locked(Layer& g, const Key& key, const std::shared_ptr<Meeting>& ex);
 
-// The last device to arrive: checks that the devices agree and sums their
-// vectors; returns the failure, or "" with the meeting done (lock held).
+// The last device to arrive: checks that the devices agree and combines
+// their vectors; returns the failure, or "" with the meeting done (lock held).
 std::string combine_locked(Layer& g, const Key& key, const std::shared_ptr<Meeting>& ex) {
   const int n = static_cast<int>(g.devices.size());
   size_t size = ex->values[0].size();
@@ -317,11 +353,12 @@ std::string combine_locked(Layer& g, const Key& key, const std::shared_ptr<Meeti
                                                    {"dtypes", what}})
                      : message("channels_disagree", {{"layer", g.name}, {"channels", what}});
   }
-  // One sum per sync group, each in device order (the same rounding
+  // One combination per sync group, each in device order (the same rounding
   // whatever the arrival order); a device takes its sync group's.
   ex->result.assign(g.num_sync_groups * size, 0.0);
   for (int i = 0; i < n; ++i)
-    for (size_t j = 0; j < size; ++j) ex->result[g.sync_group_of[i] * size + j] += ex->values[i][j];
+    combine(std::get<0>(key), &ex->result[g.sync_group_of[i] * size], ex->values[i].data(),
+            size);
   if (g.transport) return start_remote_locked(g, key, ex);
   const std::string empty = empty_batch(g, key, ex->result);
   if (!empty.empty()) return empty;
@@ -331,24 +368,29 @@ std::string combine_locked(Layer& g, const Key& key, const std::shared_ptr<Meeti
 }
 
 // ----------------------------------------------------------- remote phase --
-// Across processes the last device's sum goes to the other workers as
-// wire.py's CHECKED vector, [one row per worker: channels, call, dtype;
-// one row per sync group; ownership], and the meeting completes with the
-// checked sum.
+// Across processes the last device's combination goes to the other workers
+// as wire.h's CHECKED vector: this worker's row (its check numbers and its
+// vector, one block per sync group) among the others' zeros, then its
+// ownership entries; the meeting completes with every worker's rows
+// combined in rank order, the same on every worker.
 
 const char* direction_name(const Key& key) { return std::get<0>(key) == 0 ? "fwd" : "bwd"; }
 
-// This worker's CHECKED row for a reduction of vectors of `size`: whole
-// numbers below 2^24, exact in float32 (the call number modulo 2^20).
+// The numbers of a worker's row for vectors of `size`: the check numbers,
+// then each number of the vector as the transport carries it exactly.
+size_t row_size(const Layer& g, size_t size) {
+  return kCheckRow + g.num_sync_groups * size * g.transport->numbers_per_value();
+}
+
+// This worker's check numbers for a reduction of vectors of `size`: the
+// layer's width, the call's number and dtype, and the step token (as many
+// abandoned steps as the others); whole numbers below 2^24.
 std::array<double, kCheckRow> own_checks(const Key& key, size_t size, const std::string& dtype) {
   return {static_cast<double>(std::get<0>(key) == 0 ? forward_channels(size)
                                                     : backward_channels(size)),
-          static_cast<double>(std::get<2>(key) % (1 << 20)), dtype_code(dtype)};
+          modulo_2_20(static_cast<uint64_t>(std::get<2>(key))), dtype_code(dtype),
+          modulo_2_20(std::get<1>(key))};
 }
-
-// The rows every worker fills, its own at its rank: the numbers before a
-// reduction's vector.
-size_t check_rows_size(const Transport& t) { return kCheckRow * t.workers; }
 
 std::string reduction_failed(const Layer& g, const Key& key, const std::string& why) {
   return message("reduction_failed", {{"direction", direction_name(key)}, {"layer", g.name},
@@ -360,22 +402,27 @@ std::string broken_message(const Layer& g) {
   return message("broken", {{"transport", g.transport->name}, {"cause", g_broken}});
 }
 
-// Whether the rows every worker fills hold only what workers send: whole
+// Whether the numbers every worker fills hold only what workers send: whole
 // numbers, none negative (a kvstore that applies an optimizer to its keys
 // changes them).
-bool whole_numbers(const double* rows, size_t size) {
+bool whole_numbers(const double* numbers, size_t size) {
   for (size_t i = 0; i < size; ++i)
-    if (rows[i] < 0 || rows[i] != std::round(rows[i])) return false;
+    if (numbers[i] < 0 || numbers[i] != std::round(numbers[i])) return false;
   return true;
 }
 
-// "worker 0: 3 channels, call #2, float32; worker 1: ..." from CHECKED rows.
-std::string describe_checks(const double* rows, int workers) {
+// "worker 0: 3 channels, call #2, float32; worker 1: ..." from the rows of
+// `row` numbers (each worker's abandoned steps too, where they differ).
+std::string describe_checks(const double* rows, int workers, size_t row) {
+  bool tokens_differ = false;
+  for (int r = 1; r < workers; ++r) tokens_differ = tokens_differ || rows[r * row + 3] != rows[3];
   std::string out;
   for (int r = 0; r < workers; ++r) {
-    const double* row = rows + r * kCheckRow;
-    out += (r ? "; worker " : "worker ") + std::to_string(r) + ": " + number(row[0]) +
-           " channels, call #" + number(row[1]) + ", " + dtype_of_code(row[2]);
+    const double* checks = rows + r * row;
+    out += (r ? "; worker " : "worker ") + std::to_string(r) + ": " + number(checks[0]) +
+           " channels, call #" + number(checks[1]) + ", " + dtype_of_code(checks[2]);
+    if (tokens_differ)
+      out += ", after " + number(checks[3]) + " abandoned step" + (checks[3] == 1 ? "" : "s");
   }
   return out;
 }
@@ -384,33 +431,29 @@ void complete_remote(const std::shared_ptr<Layer>& g, const Key& key,
                      const std::shared_ptr<Meeting>& ex, const std::string& error,
                      const std::vector<double>& total);
 
-// Hands the meeting's sum to the transport once g_mutex is released, with a
-// fresh deadline for the other workers (lock held). Forward sums travel
-// about the layer's shift; a layer's first forward call has none yet, so it
-// sends them as they are first (round 1), only to learn the means, then
-// about those (round 2, complete_remote).
+// Hands the meeting's combination to the transport once g_mutex is released,
+// with a fresh deadline for the other workers (lock held).
 std::string start_remote_locked(Layer& g, const Key& key, const std::shared_ptr<Meeting>& ex) {
   if (!g_broken.empty()) return broken_message(g);
   if (g.slot < 0)
     return message("no_slot", {{"layer", g.name}, {"transport", g.transport->name}});
-  const int dir = std::get<0>(key);
-  if (ex->local.empty()) ex->local = ex->result;
-  std::vector<double> sums = ex->local;
-  if (dir == 0) {
-    ex->round = g.shift.empty() ? 1 : 2;
-    if (ex->round == 2) shift_forward(&sums, 0, g.num_sync_groups, g.shift, -1);
-  }
-  const auto checks = own_checks(key, ex->values[0].size(), ex->dtypes[0]);
-  std::vector<double> payload(check_rows_size(*g.transport), 0.0);
-  std::copy(checks.begin(), checks.end(), payload.begin() + g.transport->rank * kCheckRow);
-  payload.insert(payload.end(), sums.begin(), sums.end());
-  payload.insert(payload.end(), g.ownership.begin(), g.ownership.end());
+  const Transport& t = *g.transport;
+  const size_t size = ex->values[0].size(), row = row_size(g, size);
+  const int numbers = t.numbers_per_value();
+  std::vector<double> payload(t.workers * row + g.ownership.size(), 0.0);
+  double* own = &payload[t.rank * row];
+  const auto checks = own_checks(key, size, ex->dtypes[0]);
+  std::copy(checks.begin(), checks.end(), own);
+  for (size_t i = 0; i < ex->result.size(); ++i)
+    encode_exact(ex->result[i], numbers, own + kCheckRow + i * numbers);
+  std::copy(g.ownership.begin(), g.ownership.end(), payload.end() - g.ownership.size());
   ex->remote = true;
-  ex->deadline = deadline_of(g);
+  g_remote_in_step = true;
+  ex->deadline = deadline_in(g.remote_timeout);
   if (ex->deadline < g_watchdog_wake) g_watchdog_cv.notify_all();
   std::shared_ptr<Layer> layer = g.shared_from_this();
   std::shared_ptr<Transport> transport = g.transport;
-  const int slot = g.slot;
+  const int slot = g.slot, dir = std::get<0>(key);
   g_pending.emplace_back([layer, transport, slot, dir, key, ex, payload](
                              const std::string&, const std::vector<double>&) {
     transport->start(slot, dir, payload, [layer, key, ex](const std::string& error,
@@ -421,27 +464,28 @@ std::string start_remote_locked(Layer& g, const Key& key, const std::shared_ptr<
   return "";
 }
 
-// What is wrong with the sum over all workers, or "" with ex->result set to
-// this worker's rows (lock held).
+// What is wrong with the workers' rows, or "" with ex->result set to their
+// vectors combined in rank order, per sync group (lock held).
 std::string check_remote_locked(const Layer& g, const Key& key, Meeting& ex,
                                 const std::vector<double>& total) {
   const Transport& t = *g.transport;
-  const size_t size = ex.values[0].size(), rows = g.num_sync_groups * size;
-  const size_t head = check_rows_size(t);
-  if (total.size() != head + rows + g.ownership.size())
+  const size_t size = ex.values[0].size(), row = row_size(g, size);
+  const size_t vectors = g.num_sync_groups * size, owners = g.ownership.size();
+  if (total.size() != t.workers * row + owners)
     return "SyncBatchNorm: the " + std::string(direction_name(key)) + " reduction of layer '" +
            g.name + "' (slot " + std::to_string(g.slot) + ") came back from " + t.name +
            " with " + std::to_string(total.size()) + " numbers instead of " +
-           std::to_string(head + rows + g.ownership.size()) + "; this is a bug in "
-           "gluon_syncbn, please report it.";
+           std::to_string(t.workers * row + owners) + "; this is a bug in gluon_syncbn, "
+           "please report it.";
   const auto own = own_checks(key, size, ex.dtypes[0]);
-  bool missing = false, differ = false;
+  bool whole = true, missing = false, differ = false;
   for (int r = 0; r < t.workers; ++r) {
-    const double* row = &total[r * kCheckRow];
-    missing = missing || row[0] == 0;  // every worker's call has channels
-    differ = differ || !std::equal(own.begin(), own.end(), row);
+    const double* checks = &total[r * row];
+    whole = whole && whole_numbers(checks, kCheckRow);
+    missing = missing || checks[0] == 0;  // every worker's call has channels
+    differ = differ || !std::equal(own.begin(), own.end(), checks);
   }
-  if (!whole_numbers(total.data(), head))
+  if (!whole || !whole_numbers(&total[t.workers * row], owners))
     return message("sums_changed", {{"transport", t.name}, {"direction", direction_name(key)},
                                     {"layer", g.name}, {"slot", std::to_string(g.slot)}});
   if (missing)
@@ -450,16 +494,22 @@ std::string check_remote_locked(const Layer& g, const Key& key, Meeting& ex,
     return message("out_of_step", {{"layer", g.name}, {"direction", direction_name(key)},
                                    {"call", std::to_string(std::get<2>(key))},
                                    {"slot", std::to_string(g.slot)},
-                                   {"workers", describe_checks(total.data(), t.workers)}});
-  std::vector<int> clashes;
-  for (size_t i = 0; i < g.ownership.size(); ++i)
-    if (total[head + rows + i] != 1) clashes.push_back(static_cast<int>(i));
-  if (!clashes.empty()) {
-    std::string which;
-    for (int d : clashes) which += (which.empty() ? "" : ", ") + std::to_string(d);
-    return message("numbering_disagrees", {{"layer", g.name}, {"devices", which}});
+                                   {"workers", describe_checks(total.data(), t.workers, row)}});
+  std::string clashes;
+  for (size_t i = 0; i < owners; ++i)
+    if (total[t.workers * row + i] != 1)
+      clashes += (clashes.empty() ? "" : ", ") + std::to_string(i);
+  if (!clashes.empty()) return message("numbering_disagrees", {{"layer", g.name},
+                                                               {"devices", clashes}});
+  const int numbers = t.numbers_per_value();
+  std::vector<double> vector(vectors);
+  ex.result.assign(vectors, 0.0);
+  for (int r = 0; r < t.workers; ++r) {
+    for (size_t i = 0; i < vectors; ++i)
+      vector[i] = decode_exact(&total[r * row + kCheckRow + i * numbers], numbers);
+    for (int s = 0; s < g.num_sync_groups; ++s)
+      combine(std::get<0>(key), &ex.result[s * size], &vector[s * size], size);
   }
-  ex.result.assign(total.begin() + head, total.begin() + head + rows);
   return empty_batch(g, key, ex.result);
 }
 
@@ -472,25 +522,12 @@ void complete_remote(const std::shared_ptr<Layer>& g, const Key& key,
   {
     std::lock_guard<std::mutex> lock(g_mutex);
     if (ex->done || !ex->error.empty()) return;
-    std::string failure = !error.empty() ? reduction_failed(*g, key, error)
-                                         : check_remote_locked(*g, key, *ex, total);
-    bool again = false;  // round 1 of a forward meeting: round 2 follows
-    if (failure.empty() && std::get<0>(key) == 0) {
-      const size_t rows = g->num_sync_groups;
-      const size_t channels = forward_channels(ex->values[0].size());
-      if (ex->round == 1) {  // the means: now the sums about them
-        g->shift = forward_means(ex->result, 0, rows, channels);
-        failure = start_remote_locked(*g, key, ex);
-        again = failure.empty();
-      } else {
-        shift_forward(&ex->result, 0, rows, g->shift, +1);
-        g->shift = forward_means(ex->result, 0, rows, channels);
-      }
-    }
+    const std::string failure = !error.empty() ? reduction_failed(*g, key, error)
+                                               : check_remote_locked(*g, key, *ex, total);
     if (!failure.empty()) {
       fatal_locked(failure);
       abort_locked(failure);
-    } else if (!again) {
+    } else {
       ex->done = true;
       dispatch_locked(*g, key, ex);
     }
@@ -498,46 +535,16 @@ void complete_remote(const std::shared_ptr<Layer>& g, const Key& key,
   run_pending();
 }
 
-// "worker 0: 'bn2', 4 channels, float32; worker 1: ..." from LAYER rows
-// (sync groups too where they differ).
-std::string describe_layers(const std::vector<double>& rows, int workers) {
-  bool groups_differ = false;
-  for (int r = 1; r < workers; ++r)
-    groups_differ = groups_differ || rows[r * kLayerRow + 2] != rows[2] ||
-                    rows[r * kLayerRow + 3] != rows[3];
-  std::string out;
-  for (int r = 0; r < workers; ++r) {
-    const double* row = &rows[r * kLayerRow];
-    out += (r ? "; worker " : "worker ") + std::to_string(r) + ": '" + layer_name_of(row) +
-           "', " + number(row[0]) + " channels, " + dtype_of_code(row[1]);
-    if (groups_differ)
-      out += ", " + number(row[2]) + " sync groups over " + number(row[3]) + " devices";
-  }
-  return out;
-}
+// ------------------------------------------------------------------ setup --
+// What the workers must agree on outside a layer's calls (wire.h's CONTROL
+// rows, through the transport's control key, in the order they ask): a
+// layer's sync groups when its backend is made, before they are worked out
+// (kLayerKind); its channels and dtype at its first call, before its keys
+// exist (kKeysKind: key sizes follow the channels, and the kvstore server
+// aborts on a push of another size); update_bn_stats' batches (kBatchKind).
+// A failure here is fatal: the other workers may wait in a collective of the
+// engine for ever.
 
-// Why the workers' first calls of a layer do not belong together ("" if
-// they do): every worker's LAYER row must be this worker's.
-std::string layers_differ(const Layer& g, const std::vector<double>& own,
-                          const std::vector<double>& rows, int workers, int before,
-                          const Transport& t) {
-  if (!whole_numbers(rows.data(), rows.size()))
-    return message("sums_changed", {{"transport", t.name}, {"direction", "setup"},
-                                    {"layer", g.name}, {"slot", std::to_string(before)}});
-  for (int r = 0; r < workers; ++r)
-    if (rows[r * kLayerRow] == 0)  // every worker's layer has channels
-      return "SyncBatchNorm '" + g.name + "' could not compare its setup with the other "
-             "workers: worker " + std::to_string(r) + "'s description did not come back (the "
-             "engine reported an error on it). Another worker probably died; see its log.";
-  for (int r = 0; r < workers; ++r)
-    if (!std::equal(own.begin(), own.end(), rows.begin() + r * kLayerRow))
-      return message("layers_differ", {{"layer", g.name}, {"number", std::to_string(before + 1)},
-                                       {"workers", describe_layers(rows, workers)}});
-  return "";
-}
-
-// A layer whose sums leave the process could not be set up: fatal, since
-// the other workers may wait in a collective of the engine for ever.
 bool setup_failed(const std::shared_ptr<Transport>& t, const std::string& error) {
   std::lock_guard<std::mutex> lock(g_mutex);
   g_remote_rank = t->rank;
@@ -545,56 +552,164 @@ bool setup_failed(const std::shared_ptr<Transport>& t, const std::string& error)
   return false;
 }
 
-// Gives a layer whose sums leave the process its slot in the transport, at
-// its first call with `channels` channels of `dtype` (in network order, from
-// whichever thread calls first: the operators' FCreateOpState), after
-// checking with the other workers that their first calls of a layer in this
-// order are of the same layer. False with `error` set if that failed.
+// "worker 0: setting up layer 'bn3'; worker 1: in update_bn_stats, at batch
+// #2" from CONTROL rows of different kinds.
+std::string describe_control(const std::vector<double>& rows, int workers) {
+  std::string out;
+  for (int r = 0; r < workers; ++r) {
+    const double* row = &rows[r * kControlRow];
+    const std::string layer = "'" + control_name(row) + "'";
+    out += (r ? "; worker " : "worker ") + std::to_string(r) + ": " +
+           (row[0] == kLayerKind   ? "setting up layer " + layer
+            : row[0] == kKeysKind  ? "at the first call of layer " + layer
+            : row[0] == kBatchKind ? "in update_bn_stats, at batch #" + number(row[1] + 1)
+                                   : std::string("no setup it could name"));
+  }
+  return out;
+}
+
+// "worker 0: 'bn2', 4 channels, float32; ..." from kKeysKind rows; "worker
+// 0: 'bn2'; worker 1: ..." from kLayerKind ones, with their sync groups
+// where those differ.
+std::string describe_layers(const std::vector<double>& rows, int workers) {
+  bool groups_differ = false;
+  for (int r = 1; r < workers; ++r)
+    groups_differ = groups_differ || !std::equal(rows.begin() + 1, rows.begin() + 3,
+                                                 rows.begin() + r * kControlRow + 1);
+  std::string out;
+  for (int r = 0; r < workers; ++r) {
+    const double* row = &rows[r * kControlRow];
+    out += (r ? "; worker " : "worker ") + std::to_string(r) + ": '" + control_name(row) + "'";
+    if (row[0] == kKeysKind)
+      out += ", " + number(row[1]) + " channels, " + dtype_of_code(row[2]);
+    else if (groups_differ)
+      out += ", sync_groups=" + control_groups(row) +
+             (row[1] > 0 ? " over " + number(row[1]) + " device" + (row[1] == 1 ? "" : "s") : "");
+  }
+  return out;
+}
+
+// Every worker's next CONTROL row must be `row` (a layer's), through `t`
+// within `timeout` seconds; `place` and `name` name the layer in messages
+// (its place among the layers to synchronize across workers). "" or why
+// not (the process's end started).
+std::string agree_on_layer(const std::shared_ptr<Transport>& t, const std::vector<double>& row,
+                           int place, const std::string& name, double timeout) {
+  const std::string what = "set up layer '" + name + "', its layer #" + std::to_string(place) +
+                           " to synchronize across workers";
+  std::vector<double> rows;
+  std::string error;
+  {
+    std::lock_guard<std::mutex> lock(g_mutex);
+    if (!g_broken.empty()) return message("broken", {{"transport", t->name}, {"cause", g_broken}});
+  }
+  if (!t->gather_control(row, timeout, &rows, &error)) {
+    error = error.empty() ? message("setup_timeout", {{"rank", std::to_string(t->rank)},
+                                                      {"workers", std::to_string(t->workers)},
+                                                      {"timeout", number(timeout)},
+                                                      {"what", what}, {"transport", t->name}})
+                          : "SyncBatchNorm could not " + what + " with the other workers "
+                            "through " + t->name + ": " + error;
+  } else if (!whole_numbers(rows.data(), rows.size())) {
+    error = message("sums_changed", {{"transport", t->name}, {"direction", "setup"},
+                                     {"layer", name}, {"slot", "-"}});
+  }
+  for (int r = 0; r < t->workers && error.empty(); ++r)
+    if (rows[r * kControlRow] != row[0])
+      error = message("setup_out_of_step", {{"what", what},
+                                            {"workers", describe_control(rows, t->workers)}});
+  for (int r = 0; r < t->workers && error.empty(); ++r)
+    if (!std::equal(row.begin(), row.end(), rows.begin() + r * kControlRow))
+      error = message("layers_differ", {{"layer", name}, {"number", std::to_string(place)},
+                                        {"workers", describe_layers(rows, t->workers)}});
+  if (!error.empty()) setup_failed(t, error);
+  return error;
+}
+
+// When a layer that synchronizes across workers is made: every worker's
+// layer made in its place must have the same sync groups (`groups`, as the
+// user gave them; `devices`: the devices they number, where they are
+// explicit, else 0), before they are worked out. "" or why not.
+std::string compare_layer(const std::shared_ptr<Transport>& t, const std::string& name,
+                          int devices, const std::string& groups, double timeout) {
+  // One layer at a time, in the order they are made, the same on every
+  // worker, from whichever thread makes it.
+  static std::mutex& one_at_a_time = *new std::mutex();
+  std::lock_guard<std::mutex> lock(one_at_a_time);
+  const std::vector<double> row = pack_control(
+      kLayerKind, {static_cast<double>(devices), digest24(groups)}, name, groups);
+  const std::string error = agree_on_layer(t, row, t->num_layers() + 1, name, timeout);
+  if (error.empty()) t->count_layer();
+  return error;
+}
+
+// Whether every worker has update_bn_stats' batch `batch` (from 0): ""
+// with `lacking` the workers without it, or why not (the process's end
+// started). Every worker asks once per batch, in the same order.
+std::string agree_on_batch(const std::shared_ptr<Transport>& t, int batch, bool has,
+                           double timeout, std::vector<int>* lacking) {
+  const std::string what = "agree on update_bn_stats' batch #" + std::to_string(batch + 1);
+  std::vector<double> rows;
+  std::string error;
+  if (!t->gather_control(pack_control(kBatchKind, {static_cast<double>(batch), has ? 1.0 : 0.0},
+                                      "", ""),
+                         timeout, &rows, &error)) {
+    error = error.empty() ? message("setup_timeout", {{"rank", std::to_string(t->rank)},
+                                                      {"workers", std::to_string(t->workers)},
+                                                      {"timeout", number(timeout)},
+                                                      {"what", what}, {"transport", t->name}})
+                          : "SyncBatchNorm could not " + what + " through " + t->name + ": " +
+                            error;
+    return setup_failed(t, error), error;
+  }
+  for (int r = 0; r < t->workers; ++r)
+    if (rows[r * kControlRow] != kBatchKind || rows[r * kControlRow + 1] != batch) {
+      error = message("setup_out_of_step", {{"what", what},
+                                            {"workers", describe_control(rows, t->workers)}});
+      return setup_failed(t, error), error;
+    }
+  lacking->clear();
+  for (int r = 0; r < t->workers; ++r)
+    if (rows[r * kControlRow + 2] != 1) lacking->push_back(r);
+  return "";
+}
+
+// At the first call of layer `g`, whose sums leave the process, with
+// `channels` channels of `dtype` (from whichever thread calls first: the
+// operators' FCreateOpState): after checking that every worker's next layer
+// to make its keys has the same, its keys in the transport, within its
+// remote timeout. False with `error` set (and the process's end started)
+// if that failed.
 bool attach_remote(Layer& g, int64_t channels, const std::string& dtype, std::string* error) {
   // Set before the layer's first call and never changed: every imperative
   // call's state creation passes here, so a layer of one process takes no lock.
   if (!g.transport) return true;
   // One layer at a time, each once, even when the devices' threads create
-  // their states at once (one Python thread per device): slots are numbered
-  // in the order of layers' first calls, identically on every worker.
+  // their states at once (one Python thread per device): keys are made in
+  // the order of the layers' first calls, identically on every worker.
   static std::mutex& attaching = *new std::mutex();
   std::lock_guard<std::mutex> one_at_a_time(attaching);
-  std::shared_ptr<Transport> t;
-  size_t sizes[2];
-  std::vector<double> row;
   {
     std::lock_guard<std::mutex> lock(g_mutex);
-    if (!g.transport || g.slot >= 0 || channels <= 0) return true;
-    if (!g_broken.empty()) {
-      *error = broken_message(g);
-      return false;
-    }
-    t = g.transport;
-    const size_t head = check_rows_size(*t), owners = g.ownership.size();
-    sizes[0] = head + g.num_sync_groups * (1 + 2 * channels) + owners;
-    sizes[1] = head + g.num_sync_groups * 2 * channels + owners;
-    row = pack_layer(static_cast<double>(channels), dtype, g.num_sync_groups, owners, g.name);
+    if (g.slot >= 0 || channels <= 0) return true;
   }
-  const int before = t->num_slots();
-  std::vector<double> rows;
-  if (!t->gather_layer_rows(row, g.timeout, &rows, error)) {
-    *error = error->empty()
-                 ? message("setup_timeout", {{"rank", std::to_string(t->rank)},
-                                             {"workers", std::to_string(t->workers)},
-                                             {"timeout", number(g.timeout)},
-                                             {"layer", g.name},
-                                             {"number", std::to_string(before + 1)},
-                                             {"transport", t->name}})
-                 : "SyncBatchNorm '" + g.name + "' could not compare its setup with the other "
-                   "workers through " + t->name + ": " + *error;
-    return setup_failed(t, *error);
-  }
-  *error = layers_differ(g, row, rows, t->workers, before, *t);
-  if (!error->empty()) return setup_failed(t, *error);
+  std::shared_ptr<Transport> t = g.transport;
+  const std::vector<double> row =
+      pack_control(kKeysKind, {static_cast<double>(channels), dtype_code(dtype)}, g.name, "");
+  *error = agree_on_layer(t, row, t->num_slots() + 1, g.name, g.remote_timeout);
+  if (!error->empty()) return false;
+  const size_t rows[2] = {row_size(g, 1 + 2 * channels), row_size(g, 2 * channels)};
   int slot = -1;
-  if (!t->add_slot(sizes, g.timeout, &slot, error)) {
-    *error = "SyncBatchNorm '" + g.name + "' could not set up its " + t->name + " keys: " +
-             *error;
+  if (!t->add_slot(rows, g.ownership.size(), g.remote_timeout, &slot, error)) {
+    *error = error->empty()
+                 ? message("setup_timeout",
+                           {{"rank", std::to_string(t->rank)},
+                            {"workers", std::to_string(t->workers)},
+                            {"timeout", number(g.remote_timeout)},
+                            {"what", "make the keys of layer '" + g.name + "'"},
+                            {"transport", t->name}})
+                 : "SyncBatchNorm '" + g.name + "' could not set up its " + t->name +
+                       " keys: " + *error;
     return setup_failed(t, *error);
   }
   std::lock_guard<std::mutex> lock(g_mutex);
@@ -605,13 +720,16 @@ bool attach_remote(Layer& g, int64_t channels, const std::string& dtype, std::st
 
 std::string timeout_message(const Layer& g, const Key& key, const Meeting& ex) {
   const std::string call = std::to_string(std::get<2>(key));
-  if (ex.remote)
+  if (ex.remote) {
+    const std::string gone = g.transport->helpers_gone();
     return message("remote_timeout",
                    {{"rank", std::to_string(g.transport->rank)},
                     {"workers", std::to_string(g.transport->workers)},
-                    {"timeout", number(g.timeout)}, {"direction", direction_name(key)},
+                    {"timeout", number(g.remote_timeout)}, {"direction", direction_name(key)},
                     {"call", call}, {"layer", g.name}, {"slot", std::to_string(g.slot)},
-                    {"transport", g.transport->name}});
+                    {"transport", g.transport->name},
+                    {"helpers", gone.empty() ? "" : " Also, " + gone + "."}});
+  }
   const int n = static_cast<int>(g.devices.size());
   std::vector<int> arrived, missing;
   for (int i = 0; i < n; ++i) (ex.values[i].empty() ? missing : arrived).push_back(i);

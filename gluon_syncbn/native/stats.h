@@ -22,7 +22,7 @@ namespace {
 
 double inv_std(const Params& p, double var) { return 1.0 / std::sqrt(var + p.eps); }
 
-// The FORWARD vector this device adds to the sum.
+// This device's FORWARD vector.
 std::vector<double> forward_contribution(double count, const std::vector<double>& m1,
                                          const std::vector<double>& m2,
                                          const std::vector<double>& v) {
@@ -35,15 +35,15 @@ std::vector<double> forward_contribution(double count, const std::vector<double>
   return pack_forward(count, mean, var);
 }
 
-// The global n, mean and (biased) variance from the summed FORWARD vectors;
-// the meeting has refused n == 0 first (session.h, empty_batch).
-Info merge(const std::vector<double>& total) {
+// The global n, mean and (biased) variance from the combined FORWARD
+// vectors; the meeting has refused n == 0 first (session.h, empty_batch).
+Info global_statistics(const std::vector<double>& total) {
   Info stats;
-  std::vector<double> mean_sq;
-  unpack_forward(total, &stats.n, &stats.mean, &mean_sq);
-  stats.var.resize(stats.mean.size());
-  for (size_t c = 0; c < stats.mean.size(); ++c)
-    stats.var[c] = std::max(mean_sq[c] - stats.mean[c] * stats.mean[c], 0.0);
+  const size_t C = forward_channels(total.size());
+  stats.n = total[0];
+  stats.mean.assign(total.begin() + 1, total.begin() + 1 + C);
+  stats.var.resize(C);
+  for (size_t c = 0; c < C; ++c) stats.var[c] = std::max(total[1 + C + c] / stats.n, 0.0);
   return stats;
 }
 

@@ -102,13 +102,13 @@ mxnet::OpStatePtr create_state(State* state, const nnvm::NodeAttrs& attrs,
   node.params = node_params(attrs);
   std::string error;
   node.layer = find_layer(node.params.layer_id, &error);
-  CHECK(node.layer) << error;
+  if (!node.layer) refuse(error);
   const std::string kind = ctx.dev_type == mxnet::Context::kGPU ? "gpu(" : "cpu(";
   node.device = device_index(*node.layer, kind + std::to_string(ctx.dev_id) + ")", &error);
-  CHECK_GE(node.device, 0) << error;
+  if (node.device < 0) refuse(error);
   node.dev_id = ctx.dev_id;
   node.token = issue_token();
-  if (!attach_remote(*node.layer, channels, node.params.dtype_name, &error)) LOG(FATAL) << error;
+  if (!attach_remote(*node.layer, channels, node.params.dtype_name, &error)) refuse(error);
   return make_state(state, layer_variable(layer_key(node.params.layer_id, node.device)));
 }
 
@@ -225,7 +225,7 @@ struct SyncCall : std::enable_shared_from_this<SyncCall> {
     Call self = shared_from_this();
     exchange(Key(0, token, call), std::move(contribution),
              [self, then](const std::vector<double>& total) {
-      Info stats = merge(total);
+      Info stats = global_statistics(total);
       stats.token = static_cast<double>(self->token);
       stats.call = static_cast<double>(self->call);
       self->node.stats = self->stats = stats;
@@ -320,20 +320,20 @@ mxnet::NDArray plain(const mxnet::NDArray& a) {
 int64_t infer_channels(const Params& p, const mxnet::TShape& data, mxnet::ShapeVector* in,
                        int first, int* axis_out) {
   const int ndim = data.ndim();
-  CHECK(ndim >= 2 && ndim <= 5) << message("bad_ndim", {{"layer", layer_name(p)},
-                                                        {"ndim", std::to_string(ndim)}});
+  if (ndim < 2 || ndim > 5)
+    refuse(message("bad_ndim", {{"layer", layer_name(p)}, {"ndim", std::to_string(ndim)}}));
   const int axis = p.axis < 0 ? p.axis + ndim : p.axis;
-  CHECK(axis >= 0 && axis < ndim) << message("bad_axis", {{"layer", layer_name(p)},
-                                                          {"axis", std::to_string(p.axis)},
-                                                          {"ndim", std::to_string(ndim)}});
+  if (axis < 0 || axis >= ndim)
+    refuse(message("bad_axis", {{"layer", layer_name(p)}, {"axis", std::to_string(p.axis)},
+                                {"ndim", std::to_string(ndim)}}));
   const int64_t channels = data[axis];
   for (int i = 0; i < 4; ++i) {
     const mxnet::TShape& s = (*in)[first + i];
     if (mxnet::ndim_is_known(s) && s.ndim() == 1 && s[0] > 0 && s[0] != channels && channels > 0)
-      LOG(FATAL) << message("wrong_channels", {{"layer", layer_name(p)},
-                                              {"channels", std::to_string(channels)},
-                                              {"axis", std::to_string(p.axis)},
-                                              {"expected", std::to_string(s[0])}});
+      refuse(message("wrong_channels", {{"layer", layer_name(p)},
+                                        {"channels", std::to_string(channels)},
+                                        {"axis", std::to_string(p.axis)},
+                                        {"expected", std::to_string(s[0])}}));
     (*in)[first + i] = mxnet::TShape(1, channels);
   }
   *axis_out = axis;
@@ -359,7 +359,7 @@ std::vector<nnvm::NodeEntry> no_higher_order(const nnvm::ObjectPtr& node,
   const auto& forward = reinterpret_cast<const NodeLayout*>(node.get())->control_deps;
   const std::string layer =
       forward.empty() ? "?" : layer_name(node_params(forward[0]->attrs));
-  LOG(FATAL) << message("no_higher_order", {{"layer", layer}});
+  refuse(message("no_higher_order", {{"layer", layer}}));
   return {};
 }
 

@@ -21,7 +21,8 @@
 //                 numbering, checks, exchange, continuation, completion;
 //   stats.h       the maths in float64: tests/stats.py's functions
 //                 (same names) and the asynchronous operator's loops;
-//   wire.h        the exchanged vectors' layouts (gluon_syncbn/wire.py's).
+//   wire.h        the exchanged vectors' layouts, named once, and how they
+//                 cross processes exactly.
 //   messages.h    the wording of failures both languages report
 //                 (gluon_syncbn/messages.py's templates).
 //   arrays.h      reading and writing host arrays as the dtypes they have.
@@ -83,18 +84,21 @@ int gsbn_register(const char* op) {
   return 0;
 }
 
-// A layer's group: its devices (NUL-separated names), each one's sync group,
-// and across processes the transport its sums leave through (0: none) with
-// this worker's `num_owners` entries of the global device ownership vector.
-// Returns its handle, the operators' `layer` argument.
+// A layer's state: its devices (NUL-separated names), each one's sync
+// group, the seconds a device waits for the others and a process for the
+// other workers, and across processes the transport its vectors leave
+// through (0: none) with this worker's `num_owners` entries of the global
+// device ownership vector. Returns its handle, the operators' `layer`
+// argument.
 int64_t gsbn_layer_create(const char* name, const char* devices, int num_devices,
-                          double timeout, const char* hint, const int* sync_group_of,
-                          int num_sync_groups, int transport, const double* owners,
-                          int num_owners) {
+                          double timeout, double remote_timeout, const char* hint,
+                          const int* sync_group_of, int num_sync_groups, int transport,
+                          const double* owners, int num_owners) {
   auto g = std::make_shared<Layer>();
   g->name = name;
   g->hint = hint;
   g->timeout = timeout;
+  g->remote_timeout = remote_timeout;
   const char* d = devices;
   for (int i = 0; i < num_devices; ++i, d += std::strlen(d) + 1) g->devices.emplace_back(d);
   g->sync_group_of.assign(sync_group_of, sync_group_of + num_devices);
@@ -204,7 +208,10 @@ int gsbn_tally_read(int64_t layer, int device, double* counts, double* mean_sum,
 // record()/train_mode() scope is entered), so calls issued from now get it.
 uint64_t gsbn_step(int begin) {
   std::lock_guard<std::mutex> lock(g_mutex);
-  if (begin) g_issue_token = g_token;
+  if (begin) {
+    g_issue_token = g_token;
+    g_remote_in_step = false;
+  }
   return g_token;
 }
 
@@ -219,7 +226,8 @@ int gsbn_broken(char* text, int text_size) {
 }
 
 // A cross-process transport (transport.h), returning its id: "kvstore"
-// (`target`: the KVStore handle) or "horovod" (`target`: Horovod 0.28's
+// (`target`: the KVStore handle; its scheduler watched from now on:
+// watch_helpers) or "horovod" (`target`: Horovod 0.28's
 // horovod_mxnet_allreduce_async, `sum_op` its Sum). `exit_grace`: how long
 // the process may live on after a fatal failure (fatal_locked).
 int gsbn_transport_create(const char* kind, void* target, int sum_op, int rank, int workers,
@@ -231,6 +239,7 @@ int gsbn_transport_create(const char* kind, void* target, int sum_op, int rank, 
     t = std::make_shared<HorovodTransport>(target, sum_op, rank, workers);
   if (!t) return 0;
   g_exit_grace = exit_grace;
+  if (which == "kvstore") watch_helpers(t);
   return add_transport(std::move(t));
 }
 
@@ -247,6 +256,35 @@ void gsbn_store_lock(int transport, int acquire) {
   auto t = find_kvstore(transport);
   if (t && acquire) t->lock.acquire();
   else if (t) t->lock.release();
+}
+
+// When a layer that synchronizes across workers is made: every worker's
+// layer made in its place must have the same sync groups (`sync_groups` as
+// the user gave them; `devices`: the devices they number where they are
+// explicit, else 0), before they are worked out. Waits at most `timeout`
+// seconds. 0, or the error's length with its text in `error` (the
+// process's end started).
+int gsbn_compare_layer(int transport, const char* name, int devices, const char* sync_groups,
+                       double timeout, char* error, int size) {
+  auto t = find_transport(transport);
+  if (!t) return copy_out("unknown transport", error, size);
+  const std::string why = compare_layer(t, name, devices, sync_groups, timeout);
+  return why.empty() ? 0 : copy_out(why, error, size);
+}
+
+// update_bn_stats' batch `batch` (from 0), which this worker has or not
+// (`has`): 0 with `lacking[0..*num_lacking)` the workers without it, or the
+// error's length with its text in `error` (the process's end started).
+int gsbn_agree_on_batch(int transport, int batch, int has, double timeout, int* lacking,
+                        int* num_lacking, char* error, int size) {
+  auto t = find_transport(transport);
+  if (!t) return copy_out("unknown transport", error, size);
+  std::vector<int> without;
+  const std::string why = agree_on_batch(t, batch, has != 0, timeout, &without);
+  if (!why.empty()) return copy_out(why, error, size);
+  *num_lacking = static_cast<int>(without.size());
+  std::copy(without.begin(), without.end(), lacking);
+  return 0;
 }
 
 }  // extern "C"

@@ -1,6 +1,6 @@
-// How a process's per-layer sums reach the other worker processes: the remote
-// phase of an exchange, as a chain of engine operations on one persistent
-// float64 buffer per layer and direction (a "key"):
+// How a process's per-layer vectors reach the other worker processes: the
+// remote phase of an exchange, as a chain of engine operations on one
+// persistent buffer per layer and direction (a "key"):
 //
 //   write the payload into the buffer (the key is idle: see start)
 //     -> the engine's all-reduce of the buffer in place
@@ -10,9 +10,17 @@
 //
 // No thread waits for the network; the session's watchdog bounds the wait.
 // This file knows nothing of layers or checks: session.h builds the payload
-// and checks the sum. Included once, by syncbn.cc, before session.h.
+// and checks the sum. A key holds float64 numbers where the engine sums them
+// in float64 (Horovod), float32 ones where it may sum in float32 (MXNet
+// 1.9.1's kvstore server: see wire.h, encode_exact). Included once, by
+// syncbn.cc, before session.h.
 #pragma once
 #include <mxnet/c_api.h>
+
+#include <arpa/inet.h>
+#include <netdb.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <array>
@@ -47,12 +55,29 @@ std::string last_mxnet_error() {
   return e ? e : "unknown MXNet error";
 }
 
-// One key's persistent buffer. The engine orders every operation on it;
-// our own writes happen only while the key is idle.
+// One key's persistent buffer, of float64 or float32 numbers. The engine
+// orders every operation on it; our own writes happen only while the key
+// is idle.
 struct Buffer {
   NDArrayHandle array = nullptr;
-  double* data = nullptr;
+  void* data = nullptr;
   size_t size = 0;
+  size_t row = 0;  // the numbers each worker fills, in rank order, before the rest
+  bool float32 = false;
+
+  void write(const std::vector<double>& numbers) const {
+    if (!float32) return (void)std::memcpy(data, numbers.data(), size * sizeof(double));
+    float* f = static_cast<float*>(data);
+    for (size_t i = 0; i < size; ++i) f[i] = static_cast<float>(numbers[i]);
+  }
+  std::vector<double> read() const {
+    if (!float32) {
+      const double* d = static_cast<const double*>(data);
+      return std::vector<double>(d, d + size);
+    }
+    const float* f = static_cast<const float*>(data);
+    return std::vector<double>(f, f + size);
+  }
 };
 
 struct Reduction {  // what the reading operation needs
@@ -62,13 +87,13 @@ struct Reduction {  // what the reading operation needs
 
 void read_buffer(void*, void* param) {
   auto* r = static_cast<Reduction*>(param);
-  r->done("", std::vector<double>(r->buffer.data, r->buffer.data + r->buffer.size));
+  r->done("", r->buffer.read());
 }
 void delete_reduction(void* param) { delete static_cast<Reduction*>(param); }
 
-// The slot of the layers' descriptions (wire.h, LAYER): one key for every
-// layer, reduced once per layer, at its first call.
-const int kLayerSlot = -1;
+// The slot of the control key (wire.h, CONTROL): one key for what the
+// workers agree on outside a layer's calls.
+const int kControlSlot = -1;
 
 // Runs `work`, which may block in a collective of the engine, on a thread of
 // its own and waits at most `timeout` seconds for it; false with `error` set
@@ -110,14 +135,15 @@ class Transport {
 
   virtual ~Transport() {}
 
-  // Creates the buffers of a new slot (one per direction, of these sizes)
-  // and what the engine needs of them, within `timeout` seconds. Main
-  // thread, in network order, the same on every worker: initializing a
-  // kvstore key is collective.
-  bool add_slot(const size_t sizes[2], double timeout, int* slot, std::string* error) {
+  // Creates the buffers of a new slot, one per direction, of `rows[dir]`
+  // numbers per worker then `extra` more (wire.h's CHECKED), and what the
+  // engine needs of them, within `timeout` seconds. Main thread, in network
+  // order, the same on every worker: initializing a kvstore key is collective.
+  bool add_slot(const size_t rows[2], size_t extra, double timeout, int* slot,
+                std::string* error) {
     std::array<Buffer, 2> buffers;
     for (int dir = 0; dir < 2; ++dir)
-      if (!make_buffer(sizes[dir], &buffers[dir], error)) return false;
+      if (!make_buffer(rows[dir], extra, &buffers[dir], error)) return false;
     {
       std::lock_guard<std::mutex> lock(slots_mutex_);
       *slot = static_cast<int>(slots_.size());
@@ -129,21 +155,21 @@ class Transport {
     return true;
   }
 
-  // Every worker's `row` (wire.h's kLayerRow numbers describing a layer at
-  // its first call) in rank order, through the layers' key, within
-  // `timeout` seconds; false with `error` set if that failed. Called where
-  // add_slot is, before it: the k-th calls of the workers belong together.
-  bool gather_layer_rows(const std::vector<double>& row, double timeout,
-                         std::vector<double>* rows, std::string* error) {
-    if (layers_.array == nullptr) {
+  // Every worker's CONTROL `row` (wire.h) in rank order, through the control
+  // key, within `timeout` seconds; false with `error` set if that failed
+  // (empty: a worker did not come). The k-th calls of the workers belong
+  // together.
+  bool gather_control(const std::vector<double>& row, double timeout,
+                      std::vector<double>* rows, std::string* error) {
+    if (control_.array == nullptr) {
       Buffer b;
-      if (!make_buffer(kLayerRow * workers, &b, error) ||
-          !init_bounded(kLayerSlot, 0, b, timeout, error))
+      if (!make_buffer(kControlRow, 0, &b, error) ||
+          !init_bounded(kControlSlot, 0, b, timeout, error))
         return false;
-      layers_ = b;
+      control_ = b;
     }
-    std::vector<double> payload(layers_.size, 0.0);
-    std::copy(row.begin(), row.end(), payload.begin() + rank * kLayerRow);
+    std::vector<double> payload(control_.size, 0.0);
+    std::copy(row.begin(), row.end(), payload.begin() + rank * kControlRow);
     struct Gathered {
       std::mutex mutex;
       std::condition_variable cv;
@@ -152,7 +178,7 @@ class Transport {
       std::vector<double> total;
     };
     auto gathered = std::make_shared<Gathered>();
-    start_on(layers_, kLayerSlot, 0, payload,
+    start_on(control_, kControlSlot, 0, payload,
              [gathered](const std::string& e, const std::vector<double>& total) {
       std::lock_guard<std::mutex> lock(gathered->mutex);
       gathered->done = true;
@@ -184,20 +210,41 @@ class Transport {
     start_on(b, slot, dir, payload, std::move(done));
   }
 
-  // How many slots there are: the layers that synchronize across workers.
+  // How many slots there are: the layers whose keys were made.
   int num_slots() {
     std::lock_guard<std::mutex> lock(slots_mutex_);
     return static_cast<int>(slots_.size());
   }
 
+  // How many layers were made to synchronize across workers (some of them
+  // need no keys: their sync groups lie within each worker).
+  int num_layers() {
+    std::lock_guard<std::mutex> lock(slots_mutex_);
+    return layers_;
+  }
+  void count_layer() {
+    std::lock_guard<std::mutex> lock(slots_mutex_);
+    ++layers_;
+  }
+
+  // How many numbers carry one float64 exactly (wire.h, encode_exact).
+  int numbers_per_value() const { return float32_keys_ ? 4 : 1; }
+
   // The store was destroyed: every later reduction fails with `why`.
   virtual void close(const std::string& why) {}
+
+  // Why the engine's own processes cannot answer (a kvstore's scheduler
+  // gone), or "": for the messages of a wait that timed out, and a worker's
+  // exit (watch_exit).
+  virtual std::string helpers_gone() { return ""; }
 
  protected:
   static int kCPU0[2];
   // How the operation reading the sum runs: engines that report errors on
   // the buffer (Horovod) need it to run anyway (kNoSkip), to see them.
   int read_property_ = kCPUPrioritized;
+  // Whether the keys hold float32 numbers (see the file's head).
+  bool float32_keys_ = false;
 
   virtual bool init_key(int slot, int dir, NDArrayHandle buffer, std::string* error) {
     return true;
@@ -210,20 +257,26 @@ class Transport {
  private:
   std::mutex slots_mutex_;  // add_slot (main thread) against start (engine threads)
   std::vector<std::array<Buffer, 2>> slots_;
-  Buffer layers_;  // the layers' key (kLayerSlot): made at the first layer's first call
+  int layers_ = 0;
+  Buffer control_;  // the control key (kControlSlot): made at the first layer's first call
 
-  static bool make_buffer(size_t size, Buffer* b, std::string* error) {
+  bool make_buffer(size_t row, size_t extra, Buffer* b, std::string* error) {
+    const size_t size = workers * row + extra;
     b->size = size;
+    b->row = row;
+    b->float32 = float32_keys_;
     const uint32_t shape[1] = {static_cast<uint32_t>(size)};
-    std::vector<double> zeros(size, 0.0);
+    const std::vector<double> zeros(size, 0.0);
+    const std::vector<float> zeros32(size, 0.0f);
     void* data = nullptr;
-    if (MXNDArrayCreateEx(shape, 1, 1, 0, 0, kFloat64, &b->array) != 0 ||
-        MXNDArraySyncCopyFromCPU(b->array, zeros.data(), size) != 0 ||
+    if (MXNDArrayCreateEx(shape, 1, 1, 0, 0, b->float32 ? kFloat32 : kFloat64, &b->array) != 0 ||
+        MXNDArraySyncCopyFromCPU(b->array, b->float32 ? static_cast<const void*>(zeros32.data())
+                                                      : zeros.data(), size) != 0 ||
         MXNDArrayGetData(b->array, &data) != 0) {
       *error = last_mxnet_error();
       return false;
     }
-    b->data = static_cast<double*>(data);
+    b->data = data;
     return true;
   }
 
@@ -240,7 +293,7 @@ class Transport {
     if (payload.size() != b.size)
       return done(name + " got " + std::to_string(payload.size()) + " numbers for a key of " +
                   std::to_string(b.size), {});
-    std::memcpy(b.data, payload.data(), b.size * sizeof(double));
+    b.write(payload);
     auto* r = new Reduction{b, std::move(done)};
     reduce(slot, dir, b, [r, this]() {
       NDArrayHandle array = r->buffer.array;
@@ -328,6 +381,7 @@ class KVStoreTransport : public Transport {
     rank = rank_;
     workers = workers_;
     name = name_;
+    float32_keys_ = true;  // its server may sum float64 keys in float32
   }
 
   // From a finalizer, which may run inside a wrapped store call on the thread
@@ -335,6 +389,16 @@ class KVStoreTransport : public Transport {
   void close(const std::string& why) override {
     std::lock_guard<std::mutex> guard(closed_mutex_);
     closed_ = why;
+  }
+
+  // ps-lite's scheduler is where the workers' and servers' barriers meet
+  // (the store's final one at exit among them): a worker whose scheduler is
+  // gone would wait there for ever. It listens at DMLC_PS_ROOT_URI:PORT.
+  std::string helpers_gone() override {
+    const char* host = std::getenv("DMLC_PS_ROOT_URI");
+    const char* port = std::getenv("DMLC_PS_ROOT_PORT");
+    if (!host || !port || answers(host, port)) return "";
+    return std::string("the kvstore's scheduler at ") + host + ":" + port + " does not answer";
   }
 
  protected:
@@ -348,7 +412,7 @@ class KVStoreTransport : public Transport {
     }
     lock.acquire();
     const int rc = MXKVStoreInit(handle_, 1, &key, &buffer);
-    if (rc != 0) *error = last_mxnet_error();
+    if (rc != 0) *error = explain(last_mxnet_error());
     lock.release();
     return rc == 0;
   }
@@ -362,12 +426,38 @@ class KVStoreTransport : public Transport {
       const std::string closed = closed_reason();
       if (!closed.empty()) return failed(closed);
       if (MXKVStorePushPull(handle_, 1, &key, 1, &key, &b, &b, 0) != 0)
-        return failed(last_mxnet_error());
+        return failed(explain(last_mxnet_error()));
       then();
     });
   }
 
  private:
+  // MXNet's error, with the fix where it is a known conflict: gradient
+  // compression applies to every key of a dist kvstore and refuses pushpull.
+  std::string explain(const std::string& error) {
+    if (error.find("ompression") == std::string::npos) return error;
+    return message("compression", {{"transport", name}}) + " (MXNet: " +
+           error.substr(0, error.find('\n')) + ")";
+  }
+
+  // Whether a TCP connection to host:port is accepted within a second.
+  static bool answers(const char* host, const char* port) {
+    addrinfo hints{}, *found = nullptr;
+    hints.ai_socktype = SOCK_STREAM;
+    if (getaddrinfo(host, port, &hints, &found) != 0) return true;  // cannot tell
+    bool ok = false;
+    for (addrinfo* a = found; a && !ok; a = a->ai_next) {
+      const int fd = socket(a->ai_family, a->ai_socktype, a->ai_protocol);
+      if (fd < 0) continue;
+      timeval limit{1, 0};
+      setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &limit, sizeof(limit));
+      ok = connect(fd, a->ai_addr, a->ai_addrlen) == 0;
+      ::close(fd);
+    }
+    freeaddrinfo(found);
+    return ok;
+  }
+
   std::string closed_reason() {
     std::lock_guard<std::mutex> guard(closed_mutex_);
     return closed_;
@@ -398,7 +488,7 @@ class HorovodTransport : public Transport {
   void reduce(int slot, int dir, const Buffer& buffer, std::function<void()> then,
               std::function<void(const std::string&)> failed) override {
     // Names must match across workers and never be in flight twice: one per key.
-    const std::string key = slot == kLayerSlot ? std::string("gluon_syncbn.layers")
+    const std::string key = slot == kControlSlot ? std::string("gluon_syncbn.control")
                             : "gluon_syncbn." + std::to_string(slot) + (dir ? ".bwd" : ".fwd");
     NDArrayHandle array = buffer.array;
     if (allreduce_(&array, &array, key.c_str(), sum_op_, 0, 1.0, 1.0, 1, 0) != 0)
