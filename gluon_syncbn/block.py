@@ -325,6 +325,7 @@ class SyncBatchNorm(nn.BatchNorm):
         if imperative:
             dtype = dtype_name(x.dtype)
             SESSION.clear_failed_arrays()
+            backend.follow_arguments()  # a traced graph's calls: hooks
         else:
             dtype = self._input_dtype
             traced_call(backend)

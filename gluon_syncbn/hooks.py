@@ -37,29 +37,58 @@ from .session import SESSION
 __all__ = ['install']
 
 
-def install_record_abort_hook(scope_class, session, is_recording, is_training):
-    """A step begins when the outermost ``record()``/``train_mode()`` scope is
-    entered; it is aborted when an exception leaves a ``record()`` scope."""
+def install_record_abort_hook(scope_class, session):
+    """An exception that leaves a ``record()`` (or ``train_mode()``) scope
+    aborts the step: with it as the cause where it is ours, else saying so.
+    Not a call refused for belonging to a step that failed already (whose
+    text would nest that step's cause in another)."""
     if getattr(scope_class, '_gluon_syncbn_hooked', False):
         return
-    original_enter = scope_class.__enter__
     original_exit = scope_class.__exit__
 
-    def __enter__(self):
-        if ((self._enter_is_record and not is_recording())
-                or (self._enter_train_mode and not is_training())):
-            session.begin_step()
-        return original_enter(self)
-
     def __exit__(self, ptype, value, trace):
-        if ptype is not None and session.active():
-            session.fail_step(SyncBatchNormError(
-                'the training step was abandoned: %s: %s' % (ptype.__name__, value)))
+        if ptype is not None and session.active() and not messages.is_stale_call(value):
+            session.fail_step(value if isinstance(value, SyncBatchNormError) else
+                              SyncBatchNormError('the training step was abandoned (in thread '
+                                                 '%r): %s: %s' % (threading.current_thread().name,
+                                                                  ptype.__name__, value)))
         return original_exit(self, ptype, value, trace)
 
-    scope_class.__enter__ = __enter__
     scope_class.__exit__ = __exit__
     scope_class._gluon_syncbn_hooked = True
+
+
+def install_step_hooks(autograd_module, session):
+    """Steps begin where threads start recording or training
+    (``Session.thread_in_step``), whether through ``record()`` and
+    ``train_mode()`` scopes (which call these functions) or through
+    ``autograd.set_recording`` / ``set_training`` themselves."""
+    if getattr(autograd_module.set_recording, '_gluon_syncbn_hooked', False):
+        return
+    set_recording, set_training = autograd_module.set_recording, autograd_module.set_training
+    is_recording, is_training = autograd_module.is_recording, autograd_module.is_training
+
+    def switched(before, after):
+        if before != after:
+            session.thread_in_step(after)
+
+    def set_recording_hooked(is_record):
+        previous = set_recording(is_record)
+        training = is_training()
+        switched(previous or training, bool(is_record) or training)
+        return previous
+
+    def set_training_hooked(train_mode):
+        previous = set_training(train_mode)
+        recording = is_recording()
+        switched(previous or recording, bool(train_mode) or recording)
+        return previous
+
+    for name, function, original in (('set_recording', set_recording_hooked, set_recording),
+                                     ('set_training', set_training_hooked, set_training)):
+        function.__doc__ = original.__doc__
+        function._gluon_syncbn_hooked = True
+        setattr(autograd_module, name, function)
 
 
 # Read at exit, so that a test can shorten it.
@@ -346,8 +375,13 @@ def install_cached_op_hook(hybrid_block_class, session, is_training):
         try:
             return _run_cached_op(self, args)
         except (mx.base.MXNetError, ValueError) as exc:
-            ours = ours_behind(exc)  # a layer's refusal, while the graph was traced or issued
+            # A layer's refusal, while the graph was traced or issued (its
+            # shape or type inference): the devices issued before fail now.
+            ours = exc if isinstance(exc, SyncBatchNormError) else ours_behind(exc)
             if ours is None:
+                raise
+            session.fail_step(ours)
+            if ours is exc:
                 raise
             raise ours from exc
 
@@ -356,6 +390,9 @@ def install_cached_op_hook(hybrid_block_class, session, is_training):
         _use_graph_for_mode(self, args, training)
         session.clear_failed_arrays()
         graphs = self.__dict__.get('_gluon_syncbn_graphs')
+        if graphs and training:
+            for backend in graphs['calls']:  # eps and momentum, as the user set them now
+                backend.follow_arguments()
         if graphs and graphs['static'] is not None and args and hasattr(args[0], 'context'):
             ctx = str(args[0].context)
             if training:
@@ -510,15 +547,47 @@ def install_trainer_hook(trainer_class, session, waitall):
     trainer_class._gluon_syncbn_trainer_hooked = True
 
 
+def install_read_hooks(ndarray_class, namespaces, session):
+    """While a thread waits for an output (``NDArray.asnumpy``,
+    ``wait_to_read``, ``waitall``), the native session knows it: a layer
+    whose device's calls this thread issues, and that times out waiting for
+    one, then says that the read came before that device's call
+    (``early_read``). Nothing is noted until a layer has synchronized."""
+    if getattr(ndarray_class.asnumpy, '_gluon_syncbn_hooked', False):
+        return
+
+    def noted(function, describe):
+        def read(*args, **kwargs):
+            if not session.active():
+                return function(*args, **kwargs)
+            session.native.reading(describe(*args))
+            try:
+                return function(*args, **kwargs)
+            finally:
+                session.native.reading(None)
+        read.__doc__ = function.__doc__
+        read._gluon_syncbn_hooked = True
+        return read
+
+    for name in ('asnumpy', 'wait_to_read'):
+        setattr(ndarray_class, name, noted(
+            getattr(ndarray_class, name),
+            lambda self, *a, name=name: 'NDArray.%s() of an array on %s' % (name, self.context)))
+    waitall = noted(namespaces[0].waitall, lambda *a: 'mx.nd.waitall()')
+    for namespace in namespaces:
+        namespace.waitall = waitall
+
+
 def install():
     """Install every hook (idempotent; the package's ``__init__`` does, at
     import); each does nothing until a layer has synchronized."""
-    install_record_abort_hook(mx.autograd._RecordingStateScope, SESSION,
-                              mx.autograd.is_recording, mx.autograd.is_training)
+    install_record_abort_hook(mx.autograd._RecordingStateScope, SESSION)
+    install_step_hooks(mx.autograd, SESSION)
     install_exit_abort_hook(SESSION, mx.nd.waitall)
     install_cached_op_hook(mx.gluon.HybridBlock, SESSION, mx.autograd.is_training)
     install_parameter_hook(mx.gluon.Parameter)
     install_deepcopy_hook(mx.gluon.HybridBlock)
     install_grad_hooks(mx.autograd, mx.nd.NDArray, SESSION)
     install_trainer_hook(mx.gluon.Trainer, SESSION, mx.nd.waitall)
+    install_read_hooks(mx.nd.NDArray, (mx.nd, mx.nd.ndarray), SESSION)
 

@@ -8,7 +8,7 @@ them in the same way (``native/messages.h``), so a message reads the same
 whichever backend raised it.
 """
 
-__all__ = ['text', 'number', 'numbers']
+__all__ = ['text', 'number', 'numbers', 'is_stale_call']
 
 TEMPLATES = {
     # A call's input.
@@ -44,6 +44,11 @@ TEMPLATES = {
     'call_timeout':
         "SyncBatchNorm '{layer}': only {arrived} of {devices} devices ({present}) reached "
         "{direction} call #{call} within {timeout}s; missing: {missing}. {hint}",
+    'early_read':
+        "The thread that issues {device}'s calls waits in {read}, since before {device}'s call "
+        "was issued: a read of an output inside the per-device loop (a metric, a loss's "
+        "asnumpy()) waits for this layer on every device, so it cannot return before every "
+        "device has called the layer. Read outputs once every device has called the network.",
     'stale_call':
         "SyncBatchNorm '{layer}': this call belongs to a step that failed earlier: {cause}",
     'no_higher_order':
@@ -119,6 +124,11 @@ TEMPLATES = {
         "gluon_syncbn: worker {rank} did not exit within {grace}s of a failed cross-process "
         "reduction: {cause}",
 }
+
+
+def is_stale_call(exc):
+    """Whether ``exc`` is a call refused for belonging to a failed step (``stale_call``)."""
+    return TEMPLATES['stale_call'].split('{cause}')[0].split("': ", 1)[1] in str(exc)
 
 
 def text(name, **fields):

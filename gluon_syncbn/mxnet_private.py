@@ -44,7 +44,11 @@ Failures
       on them and passes the error on (``session.Session.clear_failed_arrays``).
 
 Class patches (``hooks``, installed by the package's ``__init__``: ``hooks.install``)
-    ``autograd._RecordingStateScope.__enter__`` and ``__exit__``,
+    ``autograd._RecordingStateScope.__exit__`` (an exception aborts the
+    step), ``autograd.set_recording`` and ``set_training`` (module functions
+    the scopes call by name: steps begin where a thread starts recording or
+    training), ``NDArray.asnumpy``, ``NDArray.wait_to_read`` and
+    ``mx.nd.waitall`` (a read notes that its thread waits),
     ``HybridBlock._call_cached_op``, and an ``atexit`` handler that must run
     before MXNet's own.
     ``HybridBlock._active`` is lowered for one call with an empty input, so
@@ -69,7 +73,9 @@ Class patches (``hooks``, installed by the package's ``__init__``: ``hooks.insta
 
 The layer's base (``block.SyncBatchNorm``, ``convert.py``)
     ``nn.BatchNorm``'s constructor makes the parameters and ``_kwargs`` the
-    operators take; its ``_alias`` is 'batchnorm', ours 'syncbatchnorm'.
+    operators take (its ``eps`` and ``momentum`` followed where users change
+    them between steps: ``Backend.follow_arguments``); its ``_alias`` is
+    'batchnorm', ours 'syncbatchnorm'.
     ``nn.BatchNormReLU`` and other batch-norm blocks are found as subclasses
     of Gluon's private ``_BatchNorm``. A native operator's backward node
     refuses its own gradient (``FGradient``, ``sync_call.h``

@@ -33,9 +33,8 @@ class Session(object):
     device never came, ``reset()``) starts a new token: calls issued before
     it fail at once with the cause instead of waiting, or pairing with the
     next step's calls. Calls issued after the failure but before the next
-    step begins (the outermost ``record()`` or ``train_mode()`` scope is
-    entered: see hooks) still get the old token: they are the rest of the
-    failed step.
+    step begins (:meth:`thread_in_step`) still get the old token: they are
+    the rest of the failed step.
 
     Every source of a failure in Python (bad input, an exception leaving
     ``record()``, interpreter exit, ``reset()``) enters here through
@@ -51,6 +50,8 @@ class Session(object):
         self._clear_lock = threading.Lock()
         self._issue_token = 0
         self._dtypes_lock = threading.Lock()
+        self._inside = set()  # the threads recording or training now (thread_in_step)
+        self._threads_lock = threading.Lock()
 
     def load_native(self):
         """The native library, built and loaded at the first layer's first
@@ -116,12 +117,31 @@ class Session(object):
         self.fail_step(exc)
         raise exc
 
-    def begin_step(self):
-        """A training step begins: calls issued from now on belong to it.
-        Called by every thread that enters ``record()``, so once or once per
-        device per step."""
+    def restart(self):
+        """Calls issued from now on belong to a new step (``reset()``)."""
         if self.native is not None:
             self._issue_token = self.native.token(begin=True)
+
+    def thread_in_step(self, inside):
+        """This thread starts (``inside``) or stops recording or training
+        (``record()``, ``train_mode()``, ``autograd.set_recording``,
+        ``set_training``). A step begins where a thread starts while no other
+        thread is inside one: calls issued from then on belong to it. A
+        thread that starts while another is inside (one of a data-parallel
+        step's threads, started by a main thread inside ``record()``, as
+        GluonCV's ``parallel_apply``) joins that step, also where another of
+        its threads failed it meanwhile: its calls then fail at once instead
+        of waiting for the failed thread's device."""
+        me = threading.get_ident()
+        with self._threads_lock:
+            if not inside:
+                self._inside.discard(me)
+                return
+            if self._inside and not self._inside.issubset(_live_threads()):
+                self._inside &= _live_threads()  # threads that ended inside one
+            if not self._inside:
+                self.restart()
+            self._inside.add(me)
 
     def active(self):
         """True while any SyncBatchNorm layer that has synchronized lives."""
@@ -176,6 +196,10 @@ class Session(object):
             self.native.abort(cause, exiting)
 
 
+def _live_threads():
+    return {t.ident for t in threading.enumerate()}
+
+
 def drain():
     """Wait for the engine, swallowing a failed step's error (its cause is
     reported by whoever failed it)."""
@@ -198,4 +222,4 @@ def reset():
     for code that abandons a step half-way for its own reasons.
     """
     SESSION.fail_step()
-    SESSION.begin_step()
+    SESSION.restart()

@@ -8,6 +8,7 @@ import contextlib
 import json
 import os
 import sys
+import threading
 import time
 import warnings
 
@@ -621,10 +622,21 @@ def dtype_of(arr):
 
 
 # ---------------------------------------------------------------- faults
-def _step(net, arrays):
-    """One training step's forward and backward; returns the outputs as NumPy."""
-    with autograd.record():
-        outs = [net(a) for a in arrays]
+def _step(net, arrays, functional=False):
+    """One training step's forward and backward; returns the outputs as NumPy.
+    ``functional``: through ``autograd.set_recording``/``set_training``
+    instead of a ``record()`` scope."""
+    if functional:
+        autograd.set_recording(True)
+        autograd.set_training(True)
+        try:
+            outs = [net(a) for a in arrays]
+        finally:
+            autograd.set_recording(False)
+            autograd.set_training(False)
+    else:
+        with autograd.record():
+            outs = [net(a) for a in arrays]
     autograd.backward(outs)
     return [o.asnumpy() for o in outs]
 
@@ -640,12 +652,16 @@ def _capture(fn):
     return None, None, time.time() - start
 
 
-def _recovery_error(net, ctxs, rng, shape):
-    """Worst relative error of a full, correct step after a failure."""
-    x = rng.randn(*shape).astype(np.float32)
-    outs = _step(net, [mx.nd.array(p, ctx=c) for p, c in zip(split_batch(x, [1] * len(ctxs)), ctxs)])
-    y64 = batchnorm_float64(x, np.ones_like(x), np.ones(shape[1]), np.zeros(shape[1]))[0]
-    return max_rel_err(np.concatenate(outs), y64)
+def _recovery_error(net, ctxs, rng, shape, functional=False, steps=1):
+    """Worst relative error of full, correct steps after a failure."""
+    worst = 0.0
+    for _ in range(steps):
+        x = rng.randn(*shape).astype(np.float32)
+        outs = _step(net, [mx.nd.array(p, ctx=c)
+                           for p, c in zip(split_batch(x, [1] * len(ctxs)), ctxs)], functional)
+        y64 = batchnorm_float64(x, np.ones_like(x), np.ones(shape[1]), np.zeros(shape[1]))[0]
+        worst = max(worst, max_rel_err(np.concatenate(outs), y64))
+    return worst
 
 
 def _fault_net(ctxs, hybridize, timeout, channels=3):
@@ -760,8 +776,10 @@ def missing_device(num_devices=3, hybridize=False, timeout_seconds=2.0, seed=0):
 
 @scenario
 def bad_input_on_one_device(problem, num_devices=3, hybridize=False, timeout_seconds=60.0,
-                            seed=0):
-    """Device 1 gets a wrong input; the others must fail fast, then recover."""
+                            seed=0, functional=False):
+    """Device 1 gets a wrong input; the others must fail fast, then recover
+    (two steps). ``functional``: every step through ``autograd.set_recording``
+    / ``set_training`` instead of ``record()``."""
     rng = np.random.RandomState(seed)
     ctxs = contexts(num_devices)
     shape = (num_devices, 3, 4, 4)
@@ -771,9 +789,30 @@ def bad_input_on_one_device(problem, num_devices=3, hybridize=False, timeout_sec
            'rank': lambda c: mx.nd.array(rng.randn(1, 3, 4, 4, 2, 2), ctx=c),
            'dtype': lambda c: mx.nd.array(rng.randn(1, 3, 4, 4), ctx=c, dtype='float64')}[problem]
     arrays = [good[0], bad(ctxs[1])] + good[2:]
-    msg, kind, seconds = _capture(lambda: _step(net, arrays))
+    msg, kind, seconds = _capture(lambda: _step(net, arrays, functional))
     return {'message': msg, 'type': kind, 'seconds': seconds,
-            'recovered': _recovery_error(net, ctxs, rng, shape)}
+            'recovered': _recovery_error(net, ctxs, rng, shape, functional, steps=2)}
+
+
+@scenario
+def early_read(num_devices=2, hybridize=False, timeout_seconds=3.0, seed=0):
+    """After a normal step, one whose per-device loop reads device 0's
+    output before device 1's call is issued: the timeout (``seconds``) and
+    its ``message``, then a normal step."""
+    rng = np.random.RandomState(seed)
+    ctxs = contexts(num_devices)
+    shape = (num_devices, 3, 4, 4)
+    net = _fault_net(ctxs, hybridize, timeout_seconds)
+    first = _recovery_error(net, ctxs, rng, shape)
+    arrays = [mx.nd.array(rng.randn(1, 3, 4, 4), ctx=c) for c in ctxs]
+
+    def step():
+        with autograd.record():
+            for a in arrays:
+                net(a).asnumpy()  # a metric's read, inside the per-device loop
+    msg, kind, seconds = _capture(step)
+    return {'message': msg, 'type': kind, 'seconds': seconds,
+            'recovered': max(first, _recovery_error(net, ctxs, rng, shape))}
 
 
 @scenario
@@ -1434,17 +1473,23 @@ def _random_pass(net, rng, sizes, channels, ctxs):
     return x
 
 
+# A momentum and eps schedule, set between steps (as a BN-momentum schedule
+# sets nn.BatchNorm's ``_kwargs``).
+SCHEDULE = [(0.9, 1e-5), (0.5, 1e-3), (0.99, 1e-5), (0.1, 0.5)]
+
+
 @scenario
 def run_ahead(hybridize=False, calls=2, sizes=(3, 5), steps=20, micro_steps=2, seed=0):
     """Training that never waits between steps, as GPU loops do: ``steps``
     Trainer steps, each accumulating gradients (grad_req='add') over
     ``micro_steps`` forward/backward passes, with no asnumpy or waitall until
-    the end; the layer is called ``calls`` times per forward pass. Returns
-    the worst relative error of every device's running mean and variance
-    against float64 momentum updates over the global batch, in call order."""
+    the end; the layer is called ``calls`` times per forward pass, its
+    momentum and eps changed between steps (:data:`SCHEDULE`). Returns the
+    worst relative error of every device's running mean and variance against
+    float64 momentum updates over the global batch, in call order."""
     rng = np.random.RandomState(seed)
     ctxs = contexts(len(sizes))
-    channels, momentum = 3, 0.9
+    channels = 3
     net = _RunAheadNet(channels, calls)
     net.initialize(ctx=ctxs)
     for param in net.collect_params().values():
@@ -1462,12 +1507,15 @@ def run_ahead(hybridize=False, calls=2, sizes=(3, 5), steps=20, micro_steps=2, s
         run_mean = run_mean * momentum + mean * (1 - momentum)
         run_var = run_var * momentum + var * (1 - momentum)
 
-    for _ in range(steps):
+    for step in range(steps):
+        momentum, eps = SCHEDULE[step % len(SCHEDULE)]
+        net.bn._kwargs.update(momentum=momentum, eps=eps)
         for _ in range(micro_steps):
             batch = _random_pass(net, rng, sizes, channels, ctxs)
             for _ in range(calls):
                 update(batch)
-                batch = batchnorm_float64(batch, np.zeros_like(batch), ones, zeros)[0] * 0.5 + 1
+                batch = batchnorm_float64(batch, np.zeros_like(batch), ones, zeros,
+                                          eps=eps)[0] * 0.5 + 1
         trainer.step(sum(sizes) * micro_steps)
         for param in net.collect_params().values():
             if param.grad_req != 'null':
@@ -1726,7 +1774,7 @@ def fail_then_linger(seconds=60):
 
 
 @scenario
-def gluoncv_threads(num_devices=2, batch=7, hybridize=False, steps=3, seed=0):
+def gluoncv_threads(num_devices=2, batch=7, hybridize=False, steps=3, seed=0, fail=False):
     """GluonCV's threaded data parallelism, as its segmentation and detection
     scripts run it (``--syncbn``): ``parallel_apply`` calls the network from
     one Python thread per device inside ``autograd.record()``, each thread
@@ -1740,6 +1788,11 @@ def gluoncv_threads(num_devices=2, batch=7, hybridize=False, steps=3, seed=0):
     no sync point between steps but the threads' own. Against float64 maths
     on the whole batch: the input gradient of every step, and the running
     statistics of both layers after the last. Also counts the warnings.
+
+    ``fail``: in the second step the first device's thread raises in user
+    code at once and the others start after it failed (each 0.3 s after the
+    one before); the step's error (``failed``, its seconds) and, skipping that
+    batch, the steps after it.
     """
     from gluoncv.utils.parallel import DataParallelCriterion, parallel_apply
     rng = np.random.RandomState(seed)
@@ -1766,16 +1819,32 @@ def gluoncv_threads(num_devices=2, batch=7, hybridize=False, steps=3, seed=0):
         net.hybridize()
         net(mx.nd.zeros((2, channels, 4, 4), ctx=ctxs[0], dtype='float64'))  # the trace
 
-    steps_done = []
+    def failing(block):
+        def call(x):
+            if x.context == ctxs[0]:
+                raise ValueError('user code failed on %s' % x.context)
+            return block(x)
+        return call
+
+    steps_done, failed = [], {}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter('always', RuntimeWarning)
-        for _ in range(steps):
+        for step in range(steps + fail):
             x = rng.randn(batch, channels, 4, 4) * 2 + 1
             dy = rng.randn(batch, channels, 4, 4)
             xs = gluon.utils.split_and_load(mx.nd.array(x, dtype='float64'), ctxs,
                                             even_split=False)
             for a in xs:
                 a.attach_grad()
+            if fail and step == 1:
+                start = time.time()
+                try:
+                    with _threads_started_late(), autograd.record():
+                        parallel_apply(failing(net), [(a,) for a in xs], sync=True)
+                except Exception as exc:  # pylint: disable=broad-except
+                    failed = {'failed': '%s: %s' % (type(exc).__name__, exc),
+                              'failed_seconds': time.time() - start}
+                continue
             with autograd.record():
                 outputs = parallel_apply(net, [(a,) for a in xs], sync=True)
                 losses = criterion(outputs, mx.nd.array(dy, dtype='float64'))
@@ -1800,7 +1869,26 @@ def gluoncv_threads(num_devices=2, batch=7, hybridize=False, steps=3, seed=0):
     errs['slices'] = [int(p.shape[0]) for p in steps_done[0][0]]
     errs['operator'] = net[0]._sync_backend.name
     errs['warnings'] = sum('gluon_syncbn' in str(w.message) for w in caught)
+    errs.update(failed)
     return errs
+
+
+@contextlib.contextmanager
+def _threads_started_late(delay=0.3):
+    """Each thread started in the context starts ``delay`` seconds after the
+    one before."""
+    start = threading.Thread.start
+    count = [0]
+
+    def late(thread):
+        time.sleep(delay * count[0])
+        count[0] += 1
+        start(thread)
+    threading.Thread.start = late
+    try:
+        yield
+    finally:
+        threading.Thread.start = start
 
 
 class _PreciseNet(gluon.HybridBlock):

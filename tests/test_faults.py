@@ -34,19 +34,38 @@ def test_missing_device_times_out_with_last_batch_advice(hybridize):
     assert r['recovered'] < RECOVERED
 
 
-@pytest.mark.parametrize('problem,expected', [
-    ('channels', 'channels'),
-    ('rank', '2 to 5 dimensions'),
-    ('dtype', 'disagree on the input dtype'),
+@pytest.mark.parametrize('problem,expected,functional', [
+    ('channels', 'channels', False),
+    ('rank', '2 to 5 dimensions', False),
+    ('dtype', 'disagree on the input dtype', False),
+    # the steps through autograd.set_recording/set_training, no record() scope
+    ('channels', 'channels', True),
 ])
 @pytest.mark.parametrize('hybridize', [False, True])
-def test_bad_input_on_one_device_fails_fast_and_recovers(problem, expected, hybridize):
+def test_bad_input_on_one_device_fails_fast_and_recovers(problem, expected, functional,
+                                                         hybridize):
     # timeout 60 s: failing in a few seconds proves the others did not wait for it
     r = run_scenario('bad_input_on_one_device', timeout=120, problem=problem,
-                     hybridize=hybridize, timeout_seconds=60.0)
+                     hybridize=hybridize, timeout_seconds=60.0, functional=functional)
     assert r['message'] is not None and expected in r['message'], r['message']
     assert 'syncbatchnorm0' in r['message']
     assert r['seconds'] < 10
+    assert r['recovered'] < RECOVERED
+
+
+@pytest.mark.parametrize('hybridize', [False, True, 'static'])
+def test_an_early_read_is_named_by_the_timeout(hybridize):
+    """A read of device 0's output inside the per-device loop, before device
+    1's call is issued, cannot return: the timeout says that, not the last
+    batch; the next step is exact."""
+    r = run_scenario('early_read', timeout=120, hybridize=hybridize, timeout_seconds=3.0)
+    assert r['type'] == 'SyncBatchNormTimeout', r
+    assert re.search(r"missing: cpu\(1\)\. The thread that issues cpu\(1\)'s calls waits in "
+                     r"NDArray\.asnumpy\(\) of an array on cpu\(0\), since before cpu\(1\)'s "
+                     r"call was issued: a read of an output inside the per-device loop",
+                     r['message']), r['message']
+    assert 'last_batch' not in r['message']
+    assert 2.5 < r['seconds'] < 30
     assert r['recovered'] < RECOVERED
 
 

@@ -42,6 +42,19 @@ def test_first_step_from_gluoncv_threads(operator, num_devices, batch, hybridize
 
 
 @needs_gluoncv
+def test_a_failing_thread_ends_its_step_at_once_for_every_thread(operator):
+    """The first device's thread raises in user code; the others start
+    after it failed. They fail at once (not after the 60 s timeout), the
+    user sees the exception raised, and the steps after are exact."""
+    r = run_scenario('gluoncv_threads', timeout=150, env=TIMEOUT, num_devices=2, batch=7,
+                     fail=True)
+    assert r['failed'] == 'ValueError: user code failed on cpu(0)', r
+    assert r['failed_seconds'] < 10, r
+    for what in ('dx', 'running_mean', 'running_var'):
+        assert r[what] < EXACT, (what, r)
+
+
+@needs_gluoncv
 @pytest.mark.parametrize('backend', ['auto', 'async'])
 def test_threads_get_the_error_when_the_library_cannot_be_had(tmp_path, backend):
     # The build fails in whichever thread comes first; every device's thread

@@ -1,9 +1,12 @@
-"""What every backend shares: a layer's devices and sync groups, its arrays,
-and the clean-up after an aborted step."""
+"""What every backend shares: a layer's devices and sync groups, its state
+in the native session (an integer handle, the operators' ``layer``
+argument, created with the backend and removed with it), its arguments
+and tallies there, and the clean-up after an aborted step."""
 import os
 import weakref
 
 from ..groups import partition
+from ..tally import Tally
 
 __all__ = ['Backend', 'timeout_hint']
 
@@ -30,7 +33,8 @@ def timeout_hint(devices):
 
 
 class Backend(object):
-    """How one layer's training calls on its devices synchronize.
+    """How one layer's training calls on its devices synchronize, through
+    the native operator ``functions`` of ``lib``.
 
     Made once per layer and set of devices (``SyncBatchNorm._sync_backend``);
     what never changes between calls is worked out here, so a call does only
@@ -45,14 +49,18 @@ class Backend(object):
         index is its position here.
     transport : object
         How sums leave the process (:mod:`gluon_syncbn.transport`).
+    lib : native.library.Library
+        The native library.
+    functions : dict
+        ``{mx.nd: f, mx.sym: f}``, the operator's functions.
     """
 
     name = None
 
-    def __init__(self, layer, devices, transport):
+    def __init__(self, layer, devices, transport, lib, functions):
         self.layer_name = layer.name
         self.devices = list(devices)
-        self.kwargs = layer._kwargs
+        self.kwargs = layer._kwargs  # the layer's own: changes show here
         self.timeout, self.remote_timeout = layer._timeout, layer._remote_timeout
         self.transport = transport
         self.hint = timeout_hint(self.devices)
@@ -66,6 +74,52 @@ class Backend(object):
         owner = {d: g for g, members in enumerate(self.sync_groups) for d in members}
         # Each local device's sync group, by index into sync_groups.
         self.sync_group_of = [owner[rank * local + i] for i in range(local)]
+        self._lib, self._functions = lib, functions
+        self._sent = self._changing_arguments()
+        self.handle = self._native_layer()
+        # The operator's arguments that never change, as the strings MXNet
+        # would make of them at every call.
+        self._arguments = dict(layer=str(self.handle), fix_gamma=str(self.kwargs['fix_gamma']),
+                               axis=str(self.kwargs['axis']), name='sync')
+
+    def _native_layer(self):
+        """The handle of this layer's state in the native session, created
+        now and removed when the backend goes. Across processes its sums
+        leave through the transport's native twin, where a sync group spans
+        workers."""
+        transport, owners, twin = self.transport, (), 0
+        if transport.cross_process:
+            local, workers, rank = len(self.devices), transport.num_workers, transport.rank
+            # (A cross-process store of one worker, which only tests make, is
+            # used too: it runs the real reduction chain in one process.)
+            if workers == 1 or any(len({d // local for d in members}) > 1
+                                   for members in self.sync_groups):
+                twin = transport.make_native(self._lib)
+                if self.explicit_sync_groups:
+                    # Each reduction also checks that the workers agree on the
+                    # global numbering: every device owned once.
+                    owners = [1.0 if rank * local <= d < (rank + 1) * local else 0.0
+                              for d in range(local * workers)]
+        handle = self._lib.create_layer(self.layer_name, self.devices, self._sent, self.timeout,
+                                        self.remote_timeout, self.hint, self.sync_group_of,
+                                        len(self.sync_groups), twin, owners)
+        # Not at interpreter exit: the exit hook still needs the layer then.
+        weakref.finalize(self, self._lib.remove_layer, handle).atexit = False
+        return handle
+
+    def _changing_arguments(self):
+        """``(eps, momentum)``, which users change between steps (a momentum
+        schedule sets ``layer._kwargs['momentum']``, as for nn.BatchNorm)."""
+        return self.kwargs['eps'], self.kwargs['momentum']
+
+    def follow_arguments(self):
+        """Before a training call is issued: the layer's eps and momentum,
+        if the user changed them, for this call and the later ones (an engine
+        operation ordered among the layer's calls, ``gsbn_set_arguments``)."""
+        arguments = self._changing_arguments()
+        if arguments != self._sent:
+            self._lib.set_arguments(self.handle, arguments)
+            self._sent = arguments
 
     def forward(self, F, x, gamma, beta, running_mean, running_var, dtype, static_shape,
                 imperative):
@@ -76,18 +130,20 @@ class Backend(object):
 
     def start_tally(self):
         """Start tallying the global statistics of this layer's training calls
-        on every device (see :class:`~gluon_syncbn.tally.Tally`), from empty
-        tallies; no call may be in flight."""
-        raise NotImplementedError
+        on every device (see :class:`~gluon_syncbn.tally.Tally`, and
+        ``add_to_tally`` in ``native/session.h``), from empty tallies; no
+        call may be in flight."""
+        self._lib.tally(self.handle, True)
 
     def stop_tally(self):
         """Stop tallying; the tallies stay readable."""
-        raise NotImplementedError
+        self._lib.tally(self.handle, False)
 
     def tally(self, device):
         """Device ``device``'s :class:`~gluon_syncbn.tally.Tally` since
         :meth:`start_tally`, once its calls have completed."""
-        raise NotImplementedError
+        counts = self._lib.read_tally(self.handle, device, self._layer().gamma.shape[0])
+        return Tally(*counts) if counts is not None else Tally()
 
     def running_arrays(self, device):
         """Device ``device``'s running mean and variance (the layer's own arrays)."""
@@ -95,8 +151,12 @@ class Backend(object):
         return [layer.running_mean.data(ctx), layer.running_var.data(ctx)]
 
     def clear_failed_state(self):
-        """Wait on every array this layer's calls write, swallowing a failed
-        step's error (see ``Session.clear_failed_arrays``)."""
+        """Clear the error a failed step left on this layer's arrays (see
+        ``Session.clear_failed_arrays``): its engine variables, which every
+        call of it writes, so what a static_shape graph's calls of an aborted
+        step poisoned (their arrays are the next step's) is cleared with
+        them; then every array its calls write, swallowing that error."""
+        self._lib.settle(self.handle)
         layer = self._layer()
         if layer is None:
             return

@@ -39,8 +39,8 @@ class VectorBackend(Backend):
     supplies the operator (:meth:`_exchange`). Imperative calls run as one
     CachedOp per input dtype (:meth:`_cached_op`)."""
 
-    def __init__(self, layer, devices, transport):
-        super(VectorBackend, self).__init__(layer, devices, transport)
+    def __init__(self, *args):
+        super(VectorBackend, self).__init__(*args)
         self._imperative_graphs = {}
 
     def forward(self, F, x, gamma, beta, running_mean, running_var, dtype, static_shape,

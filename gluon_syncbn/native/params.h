@@ -13,7 +13,9 @@ typedef std::pair<LayerId, int> LayerKey;
 
 LayerKey layer_key(const LayerId& layer, int device) { return LayerKey(layer, device); }
 
-// The operator's string arguments, as the block passes them.
+// The operator's string arguments, as the block passes them; eps and
+// momentum are the layer's when a forward call starts (SyncCall,
+// take_arguments).
 struct Params {
   LayerId layer_id = 0;
   std::string dtype_name = "float32";
@@ -26,8 +28,6 @@ struct Params {
 void set_param(Params* p, const std::string& key, const std::string& value) {
   const bool yes = value == "True" || value == "true" || value == "1";
   if (key == "layer") p->layer_id = std::stoll(value);
-  else if (key == "eps") p->eps = std::stod(value);
-  else if (key == "momentum") p->momentum = std::stod(value);
   else if (key == "fix_gamma") p->fix_gamma = yes;
   else if (key == "static_shape") p->static_shape = yes;
   else if (key == "axis") p->axis = std::stoi(value);

@@ -65,6 +65,8 @@ std::string& g_broken = *new std::string();
 int g_remote_rank = -1;
 double g_exit_grace = 30.0;
 bool g_remote_in_step = false;
+// What each thread waits in now, where it waits for an output (gsbn_reading).
+std::map<std::thread::id, std::string>& g_reads = *new std::map<std::thread::id, std::string>();
 
 // The watchdog (see watchdog()). When it wakes next (at the latest a second
 // from its last look): only a meeting with an earlier deadline needs to
@@ -102,6 +104,10 @@ struct Layer : std::enable_shared_from_this<Layer> {
   // Seconds a device waits for the others in this process, and a process
   // for the other workers (the remote phase, and the setup at a first call).
   double timeout, remote_timeout;
+  // The layer's eps and momentum for the calls that run now: the user may
+  // change them between steps (a momentum schedule); each change is an
+  // engine operation ordered among the layer's calls (gsbn_set_arguments).
+  double eps = 1e-5, momentum = 0.9;
   uint64_t counter_token = 0;
   std::vector<int64_t> next_call;
   std::map<Key, std::shared_ptr<Meeting>> meetings;
@@ -114,6 +120,8 @@ struct Layer : std::enable_shared_from_this<Layer> {
   // Static graphs: per device, 1 + the token of the step its next calls
   // were issued in, as the last stamp set it (gsbn_stamp_static; 0: none yet).
   std::vector<uint64_t> static_token;
+  // Per device, the thread that issued its last call (issue_token).
+  std::vector<std::thread::id> issuer;
   // While a tally is on, each device's forward calls add their global
   // statistics to its tally (add_to_tally).
   std::atomic<bool> tallying{false};
@@ -733,12 +741,18 @@ std::string timeout_message(const Layer& g, const Key& key, const Meeting& ex) {
   const int n = static_cast<int>(g.devices.size());
   std::vector<int> arrived, missing;
   for (int i = 0; i < n; ++i) (ex.values[i].empty() ? missing : arrived).push_back(i);
+  std::string hint = g.hint;
+  for (int i : missing) {  // a read that waits for this very call
+    auto read = g_reads.find(g.issuer[i]);
+    if (read != g_reads.end() && g.issuer[i] != std::thread::id())
+      hint = message("early_read", {{"device", g.devices[i]}, {"read", read->second}});
+  }
   return message("call_timeout",
                  {{"layer", g.name}, {"arrived", std::to_string(ex.arrived)},
                   {"devices", std::to_string(n)}, {"present", join(g.devices, arrived)},
                   {"direction", std::get<0>(key) == 0 ? "forward" : "backward"},
                   {"call", call}, {"timeout", number(g.timeout)},
-                  {"missing", join(g.devices, missing)}, {"hint", g.hint}});
+                  {"missing", join(g.devices, missing)}, {"hint", hint}});
 }
 
 // ------------------------------------------------------------- watchdog --

@@ -55,11 +55,13 @@ int device_index(const Layer& g, const std::string& ctx, std::string* error) {
   return -1;
 }
 
-// The token of a call issued now (imperative and dynamic graphs). A call
-// issued after an abort but before the next step begins belongs to the
-// failed step.
-uint64_t issue_token() {
+// The token of a call of `g` issued now on its device `device` (imperative
+// and dynamic graphs; a static graph's, stamped), this thread noted as the
+// device's issuer. A call issued after an abort but before the next step
+// begins belongs to the failed step.
+uint64_t issue_token(Layer& g, int device) {
   std::lock_guard<std::mutex> lock(g_mutex);
+  g.issuer[device] = std::this_thread::get_id();
   return g_issue_token;
 }
 
@@ -107,7 +109,7 @@ mxnet::OpStatePtr create_state(State* state, const nnvm::NodeAttrs& attrs,
   node.device = device_index(*node.layer, kind + std::to_string(ctx.dev_id) + ")", &error);
   if (node.device < 0) refuse(error);
   node.dev_id = ctx.dev_id;
-  node.token = issue_token();
+  node.token = issue_token(*node.layer, node.device);
   if (!attach_remote(*node.layer, channels, node.params.dtype_name, &error)) refuse(error);
   return make_state(state, layer_variable(layer_key(node.params.layer_id, node.device)));
 }
@@ -187,6 +189,15 @@ struct SyncCall : std::enable_shared_from_this<SyncCall> {
   bool completed_with(const std::string& error) {
     complete(failure_text(error));
     return false;
+  }
+
+  // Forward, as it starts to run: the layer's eps and momentum now, which
+  // its backward keeps (they are the state's: a layer's calls on a device
+  // run one after another).
+  void take_arguments() {
+    std::lock_guard<std::mutex> lock(g_mutex);
+    node.params.eps = node.layer->eps;
+    node.params.momentum = node.layer->momentum;
   }
 
   // Forward: the call's step token and number; false (completed) for a call

@@ -85,18 +85,20 @@ int gsbn_register(const char* op) {
 }
 
 // A layer's state: its devices (NUL-separated names), each one's sync
-// group, the seconds a device waits for the others and a process for the
-// other workers, and across processes the transport its vectors leave
-// through (0: none) with this worker's `num_owners` entries of the global
-// device ownership vector. Returns its handle, the operators' `layer`
-// argument.
-int64_t gsbn_layer_create(const char* name, const char* devices, int num_devices,
-                          double timeout, double remote_timeout, const char* hint,
-                          const int* sync_group_of, int num_sync_groups, int transport,
-                          const double* owners, int num_owners) {
+// group, its eps and momentum, the seconds a device waits for the others and
+// a process for the other workers, and across processes the transport its
+// vectors leave through (0: none) with this worker's `num_owners` entries of
+// the global device ownership vector. Returns its handle, the operators'
+// `layer` argument.
+int64_t gsbn_layer_create(const char* name, const char* devices, int num_devices, double eps,
+                          double momentum, double timeout, double remote_timeout,
+                          const char* hint, const int* sync_group_of, int num_sync_groups,
+                          int transport, const double* owners, int num_owners) {
   auto g = std::make_shared<Layer>();
   g->name = name;
   g->hint = hint;
+  g->eps = eps;
+  g->momentum = momentum;
   g->timeout = timeout;
   g->remote_timeout = remote_timeout;
   const char* d = devices;
@@ -105,6 +107,7 @@ int64_t gsbn_layer_create(const char* name, const char* devices, int num_devices
   g->num_sync_groups = num_sync_groups;
   g->next_call.assign(num_devices, 0);
   g->static_token.assign(num_devices, 0);
+  g->issuer.resize(num_devices);
   if (transport > 0) {
     g->transport = find_transport(transport);
     g->ownership.assign(owners, owners + num_owners);
@@ -131,13 +134,14 @@ void gsbn_layer_remove(int64_t layer) {
 // so they cannot know it. A call of an aborted step is then refused at once
 // instead of waiting for partners. 0 on success.
 int gsbn_stamp_static(const int64_t* layers, const int* devices, int num) {
-  const uint64_t token = issue_token();
+  uint64_t token = 0;
   std::vector<std::pair<std::shared_ptr<Layer>, int>> stamps;
   std::vector<mxnet::Engine::VarHandle> vars;
   for (int i = 0; i < num; ++i) {
     std::string error;
     auto g = find_layer(layers[i], &error);
     if (!g || devices[i] < 0 || devices[i] >= static_cast<int>(g->devices.size())) continue;
+    token = issue_token(*g, devices[i]);
     stamps.emplace_back(g, devices[i]);
     vars.push_back(layer_variable(layer_key(layers[i], devices[i])));
   }
@@ -160,6 +164,24 @@ int gsbn_fence(const int64_t* layers, const int* devices, int num, NDArrayHandle
   for (int i = 0; i < num; ++i) vars.push_back(layer_variable(layer_key(layers[i], devices[i])));
   for (int i = 0; i < num_arrays; ++i) vars.push_back(array_variable(arrays[i]));
   return push_ordering([]() {}, vars, "gluon_syncbn_fence");
+}
+
+// The user changed layer `layer`'s eps or momentum: its calls issued from
+// now on use these (one engine operation on its engine variables, so ordered
+// after the calls issued before on every device and before those issued
+// after). 0 on success.
+int gsbn_set_arguments(int64_t layer, double eps, double momentum) {
+  std::string error;
+  auto g = find_layer(layer, &error);
+  if (!g) return 1;
+  std::vector<mxnet::Engine::VarHandle> vars;
+  for (size_t i = 0; i < g->devices.size(); ++i)
+    vars.push_back(layer_variable(layer_key(layer, static_cast<int>(i))));
+  return push_ordering([g, eps, momentum]() {
+    std::lock_guard<std::mutex> lock(g_mutex);
+    g->eps = eps;
+    g->momentum = momentum;
+  }, vars, "gluon_syncbn_arguments");
 }
 
 // Waits for the calls of layer `layer` issued so far on every device and
@@ -202,6 +224,14 @@ int gsbn_tally_read(int64_t layer, int device, double* counts, double* mean_sum,
     std::copy(t.var_sum.begin(), t.var_sum.end(), var_sum);
   }
   return size;
+}
+
+// This thread now waits in `read` (an output's asnumpy(), waitall(), ...),
+// or no longer (null), for the timeouts' messages (timeout_message).
+void gsbn_reading(const char* read) {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  if (read) g_reads[std::this_thread::get_id()] = read;
+  else g_reads.erase(std::this_thread::get_id());
 }
 
 // The current step's token; `begin`: a training step begins first (Python's
