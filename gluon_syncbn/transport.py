@@ -408,7 +408,7 @@ def make_transport(kvstore):
             "kvstore='horovod' to SyncBatchNorm and use hvd.DistributedTrainer; BytePS is "
             "not supported: use a 'dist_sync' kvstore or Horovod." % kv_type)
     if kv_type in _LOCAL_KVSTORES:
-        return _LOCAL  # one process: the devices already meet at the barrier
+        return _LOCAL  # one process: the devices already meet in the session
     if kv_type not in _SUPPORTED_KVSTORES:
         raise SyncBatchNormError(
             "SyncBatchNorm: kvstore type %r is not supported: batch statistics need a "

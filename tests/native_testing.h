@@ -155,7 +155,7 @@ int64_t gsbn_test_count(const char* what, int transport) {
   }
   std::lock_guard<std::mutex> lock(g_mutex);
   int64_t n = 0;
-  for (auto& g : live_layers_locked()) n += static_cast<int64_t>(g->meetings.size());
+  for (auto& layer : live_layers_locked()) n += static_cast<int64_t>(layer->meetings.size());
   return n;
 }
 
@@ -195,16 +195,16 @@ void gsbn_test_stats(int C, double count, const double* m1, const double* m2, co
   emit({stats.n});
   emit(stats.mean);
   emit(stats.var);
-  std::vector<double> scale, shift, g = vec(gamma, C), ds = vec(d_scale, C),
+  std::vector<double> scale, shift, layer = vec(gamma, C), ds = vec(d_scale, C),
                       dsh = vec(d_shift, C), inv_stds, d_gamma, d_m2, d_v;
-  normalize_coefficients(p, stats, centre, g, vec(beta, C), &scale, &shift);
+  normalize_coefficients(p, stats, centre, layer, vec(beta, C), &scale, &shift);
   emit(scale);
   emit(shift);
-  emit(backward_contribution(p, stats, centre, count, &g, &ds, &dsh, &inv_stds, &d_gamma));
+  emit(backward_contribution(p, stats, centre, count, &layer, &ds, &dsh, &inv_stds, &d_gamma));
   emit(d_gamma);
   std::vector<double> local_mean = centre;
   for (int c = 0; c < C; ++c) local_mean[c] += m2[c];
-  local_moment_grads(vec(backward_total, 2 * C), count, stats, local_mean, g, inv_stds, &d_m2,
+  local_moment_grads(vec(backward_total, 2 * C), count, stats, local_mean, layer, inv_stds, &d_m2,
                      &d_v);
   emit(d_m2);
   emit(d_v);

@@ -147,7 +147,7 @@ std::vector<uint32_t> async_mutated(const nnvm::NodeAttrs&) { return {3, 4}; }
 // statistics get no gradient (as nn.BatchNorm's).
 std::vector<nnvm::NodeEntry> async_gradient(const nnvm::ObjectPtr& node,
                                             const std::vector<nnvm::NodeEntry>& out_grads) {
-  const auto& inputs = reinterpret_cast<const NodeLayout*>(node.get())->inputs;
+  const auto& inputs = node_inputs(node);
   nnvm::ObjectPtr grad = make_node(ASYNC_BACKWARD_OP, {out_grads[0], inputs[0], inputs[1]},
                                    {node});
   nnvm::ObjectPtr none = make_node("_NoGradient", {}, {});

@@ -364,7 +364,7 @@ std::vector<uint32_t> exchange_mutated(const nnvm::NodeAttrs&) {
 // running statistics get none.
 std::vector<nnvm::NodeEntry> exchange_gradient(const nnvm::ObjectPtr& node,
                                                const std::vector<nnvm::NodeEntry>& out_grads) {
-  const auto& inputs = reinterpret_cast<const NodeLayout*>(node.get())->inputs;
+  const auto& inputs = node_inputs(node);
   nnvm::ObjectPtr grad = make_node(EXCHANGE_BACKWARD_OP, {out_grads[0], out_grads[1]}, {node});
   nnvm::ObjectPtr none = make_node("_NoGradient", {}, {});
   std::vector<nnvm::NodeEntry> out(kInputs, nnvm::NodeEntry(none, 0, 0));

@@ -79,6 +79,14 @@ struct NodeLayout {
   std::vector<nnvm::ObjectPtr> control_deps;
 };
 
+// A node's inputs and control dependencies, read through libmxnet's layout.
+const std::vector<nnvm::NodeEntry>& node_inputs(const nnvm::ObjectPtr& node) {
+  return reinterpret_cast<const NodeLayout*>(node.get())->inputs;
+}
+const std::vector<nnvm::ObjectPtr>& node_control_deps(const nnvm::ObjectPtr& node) {
+  return reinterpret_cast<const NodeLayout*>(node.get())->control_deps;
+}
+
 // A node of operator `op_name` made by libmxnet, with these inputs and
 // control dependencies.
 nnvm::ObjectPtr make_node(const char* op_name, const std::vector<nnvm::NodeEntry>& inputs,

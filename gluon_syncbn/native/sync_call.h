@@ -26,6 +26,8 @@
 #include "arrays.h"
 #include "failures.h"
 #include "params.h"
+#include "meeting.h"
+#include "remote.h"
 #include "session.h"
 #include "stats.h"
 
@@ -47,21 +49,21 @@ std::string layer_name(const Params& p) {
 }
 
 // The index of device `ctx` ("cpu(1)") among the layer's, or -1 with the error.
-int device_index(const Layer& g, const std::string& ctx, std::string* error) {
-  for (size_t i = 0; i < g.devices.size(); ++i)
-    if (g.devices[i] == ctx) return static_cast<int>(i);
-  *error = message("wrong_device", {{"layer", g.name}, {"device", ctx},
-                                    {"devices", join(g.devices)}});
+int device_index(const Layer& layer, const std::string& ctx, std::string* error) {
+  for (size_t i = 0; i < layer.devices.size(); ++i)
+    if (layer.devices[i] == ctx) return static_cast<int>(i);
+  *error = message("wrong_device", {{"layer", layer.name}, {"device", ctx},
+                                    {"devices", join(layer.devices)}});
   return -1;
 }
 
-// The token of a call of `g` issued now on its device `device` (imperative
+// The token of a call of `layer` issued now on its device `device` (imperative
 // and dynamic graphs; a static graph's, stamped), this thread noted as the
 // device's issuer. A call issued after an abort but before the next step
 // begins belongs to the failed step.
-uint64_t issue_token(Layer& g, int device) {
+uint64_t issue_token(Layer& layer, int device) {
   std::lock_guard<std::mutex> lock(g_mutex);
-  g.issuer[device] = std::this_thread::get_id();
+  layer.issuer[device] = std::this_thread::get_id();
   return g_issue_token;
 }
 
@@ -367,7 +369,7 @@ std::vector<nnvm::NodeEntry> no_higher_order(const nnvm::ObjectPtr& node,
                                              const std::vector<nnvm::NodeEntry>&) {
   // The backward node's control dependency is its forward node (make_node),
   // whose arguments name the layer.
-  const auto& forward = reinterpret_cast<const NodeLayout*>(node.get())->control_deps;
+  const auto& forward = node_control_deps(node);
   const std::string layer =
       forward.empty() ? "?" : layer_name(node_params(forward[0]->attrs));
   refuse(message("no_higher_order", {{"layer", layer}}));

@@ -94,36 +94,36 @@ int64_t gsbn_layer_create(const char* name, const char* devices, int num_devices
                           double momentum, double timeout, double remote_timeout,
                           const char* hint, const int* sync_group_of, int num_sync_groups,
                           int transport, const double* owners, int num_owners) {
-  auto g = std::make_shared<Layer>();
-  g->name = name;
-  g->hint = hint;
-  g->eps = eps;
-  g->momentum = momentum;
-  g->timeout = timeout;
-  g->remote_timeout = remote_timeout;
+  auto layer = std::make_shared<Layer>();
+  layer->name = name;
+  layer->hint = hint;
+  layer->eps = eps;
+  layer->momentum = momentum;
+  layer->timeout = timeout;
+  layer->remote_timeout = remote_timeout;
   const char* d = devices;
-  for (int i = 0; i < num_devices; ++i, d += std::strlen(d) + 1) g->devices.emplace_back(d);
-  g->sync_group_of.assign(sync_group_of, sync_group_of + num_devices);
-  g->num_sync_groups = num_sync_groups;
-  g->next_call.assign(num_devices, 0);
-  g->static_token.assign(num_devices, 0);
-  g->issuer.resize(num_devices);
+  for (int i = 0; i < num_devices; ++i, d += std::strlen(d) + 1) layer->devices.emplace_back(d);
+  layer->sync_group_of.assign(sync_group_of, sync_group_of + num_devices);
+  layer->num_sync_groups = num_sync_groups;
+  layer->next_call.assign(num_devices, 0);
+  layer->stamped_token.assign(num_devices, kNotStamped);
+  layer->issuer.resize(num_devices);
   if (transport > 0) {
-    g->transport = find_transport(transport);
-    g->ownership.assign(owners, owners + num_owners);
+    layer->transport = find_transport(transport);
+    layer->ownership.assign(owners, owners + num_owners);
   }
   std::lock_guard<std::mutex> lock(g_mutex);
   const int64_t handle = g_next_handle++;
-  g_layers[handle] = g;
-  g_live.push_back(g);
+  g_layers[handle] = layer;
+  g_live.push_back(layer);
   return handle;
 }
 
 // A layer was garbage-collected: its state and its staging go.
-void gsbn_layer_remove(int64_t layer) {
-  forget_layer_staging(layer);
+void gsbn_layer_remove(int64_t handle) {
+  forget_layer_staging(handle);
   std::lock_guard<std::mutex> lock(g_mutex);
-  g_layers.erase(layer);
+  g_layers.erase(handle);
 }
 
 // A static graph is being issued on one device, with calls of `layers`
@@ -139,16 +139,17 @@ int gsbn_stamp_static(const int64_t* layers, const int* devices, int num) {
   std::vector<mxnet::Engine::VarHandle> vars;
   for (int i = 0; i < num; ++i) {
     std::string error;
-    auto g = find_layer(layers[i], &error);
-    if (!g || devices[i] < 0 || devices[i] >= static_cast<int>(g->devices.size())) continue;
-    token = issue_token(*g, devices[i]);
-    stamps.emplace_back(g, devices[i]);
+    auto layer = find_layer(layers[i], &error);
+    if (!layer || devices[i] < 0 || devices[i] >= static_cast<int>(layer->devices.size()))
+      continue;
+    token = issue_token(*layer, devices[i]);
+    stamps.emplace_back(layer, devices[i]);
     vars.push_back(layer_variable(layer_key(layers[i], devices[i])));
   }
   if (vars.empty()) return 0;
   return push_ordering([stamps, token]() {
     std::lock_guard<std::mutex> lock(g_mutex);
-    for (const auto& s : stamps) s.first->static_token[s.second] = token + 1;
+    for (const auto& s : stamps) s.first->stamped_token[s.second] = token;
   }, vars, "gluon_syncbn_stamp");
 }
 
@@ -166,56 +167,56 @@ int gsbn_fence(const int64_t* layers, const int* devices, int num, NDArrayHandle
   return push_ordering([]() {}, vars, "gluon_syncbn_fence");
 }
 
-// The user changed layer `layer`'s eps or momentum: its calls issued from
+// The user changed the eps or momentum of layer `handle`: its calls issued from
 // now on use these (one engine operation on its engine variables, so ordered
 // after the calls issued before on every device and before those issued
 // after). 0 on success.
-int gsbn_set_arguments(int64_t layer, double eps, double momentum) {
+int gsbn_set_arguments(int64_t handle, double eps, double momentum) {
   std::string error;
-  auto g = find_layer(layer, &error);
-  if (!g) return 1;
+  auto layer = find_layer(handle, &error);
+  if (!layer) return 1;
   std::vector<mxnet::Engine::VarHandle> vars;
-  for (size_t i = 0; i < g->devices.size(); ++i)
-    vars.push_back(layer_variable(layer_key(layer, static_cast<int>(i))));
-  return push_ordering([g, eps, momentum]() {
+  for (size_t i = 0; i < layer->devices.size(); ++i)
+    vars.push_back(layer_variable(layer_key(handle, static_cast<int>(i))));
+  return push_ordering([layer, eps, momentum]() {
     std::lock_guard<std::mutex> lock(g_mutex);
-    g->eps = eps;
-    g->momentum = momentum;
+    layer->eps = eps;
+    layer->momentum = momentum;
   }, vars, "gluon_syncbn_arguments");
 }
 
-// Waits for the calls of layer `layer` issued so far on every device and
+// Waits for the calls of layer `handle` issued so far on every device and
 // clears the error a failed one left on their arrays (settle_engine_variable
 // on its engine variables); after an abort, before the next step's calls.
-void gsbn_settle(int64_t layer) {
+void gsbn_settle(int64_t handle) {
   std::string error;
-  auto g = find_layer(layer, &error);
-  if (!g) return;
-  for (size_t i = 0; i < g->devices.size(); ++i)
-    settle_engine_variable(layer_variable(layer_key(layer, static_cast<int>(i))));
+  auto layer = find_layer(handle, &error);
+  if (!layer) return;
+  for (size_t i = 0; i < layer->devices.size(); ++i)
+    settle_engine_variable(layer_variable(layer_key(handle, static_cast<int>(i))));
 }
 
-// Starts a layer's tally (`on`: every device's emptied) or stops it.
-void gsbn_tally(int64_t layer, int on) {
+// Starts layer `handle`'s tally (`on`: every device's emptied) or stops it.
+void gsbn_tally(int64_t handle, int on) {
   std::string error;
-  auto g = find_layer(layer, &error);
-  if (!g) return;
+  auto layer = find_layer(handle, &error);
+  if (!layer) return;
   std::lock_guard<std::mutex> lock(g_mutex);
-  if (on) g->tallies.assign(g->devices.size(), Tally());
-  g->tallying = on != 0;
+  if (on) layer->tallies.assign(layer->devices.size(), Tally());
+  layer->tallying = on != 0;
 }
 
-// Device `device`'s tally of layer `layer`: its calls and n in counts[0..1],
+// Device `device`'s tally of layer `handle`: its calls and n in counts[0..1],
 // its sums in mean_sum and var_sum (`channels` each, if that is their
 // size). Returns their size (0: no call was tallied), or -1 for an unknown
 // layer or device.
-int gsbn_tally_read(int64_t layer, int device, double* counts, double* mean_sum,
+int gsbn_tally_read(int64_t handle, int device, double* counts, double* mean_sum,
                     double* var_sum, int channels) {
   std::string error;
-  auto g = find_layer(layer, &error);
+  auto layer = find_layer(handle, &error);
   std::lock_guard<std::mutex> lock(g_mutex);
-  if (!g || device < 0 || device >= static_cast<int>(g->tallies.size())) return -1;
-  const Tally& t = g->tallies[device];
+  if (!layer || device < 0 || device >= static_cast<int>(layer->tallies.size())) return -1;
+  const Tally& t = layer->tallies[device];
   const int size = static_cast<int>(t.mean_sum.size());
   counts[0] = t.calls;
   counts[1] = t.n;

@@ -95,36 +95,51 @@ void delete_reduction(void* param) { delete static_cast<Reduction*>(param); }
 // workers agree on outside a layer's calls.
 const int kControlSlot = -1;
 
+// What another thread hands over once (an error, or numbers), waited for
+// at most a while.
+class Awaited {
+ public:
+  void deliver(const std::string& error, const std::vector<double>& numbers = {}) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    done_ = true;
+    error_ = error;
+    numbers_ = numbers;
+    cv_.notify_all();
+  }
+  // False if nothing came within `seconds`; else `error` and `numbers` set.
+  bool wait(double seconds, std::string* error, std::vector<double>* numbers = nullptr) {
+    std::unique_lock<std::mutex> lock(mutex_);
+    if (!cv_.wait_for(lock, std::chrono::duration<double>(seconds), [this]() { return done_; }))
+      return false;
+    *error = error_;
+    if (numbers) *numbers = numbers_;
+    return true;
+  }
+
+ private:
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  bool done_ = false;
+  std::string error_;
+  std::vector<double> numbers_;
+};
+
 // Runs `work`, which may block in a collective of the engine, on a thread of
 // its own and waits at most `timeout` seconds for it; false with `error` set
 // if it failed or still runs then (nothing can cancel it: it is left to end
 // by itself, or with the process).
 bool bounded(std::function<bool(std::string*)> work, double timeout, const std::string& what,
              std::string* error) {
-  struct Outcome {
-    std::mutex mutex;
-    std::condition_variable cv;
-    bool done = false, ok = false;
-    std::string error;
-  };
-  auto outcome = std::make_shared<Outcome>();
+  auto outcome = std::make_shared<Awaited>();
   std::thread([outcome, work]() {
     std::string e;
-    const bool ok = work(&e);
-    std::lock_guard<std::mutex> lock(outcome->mutex);
-    outcome->done = true;
-    outcome->ok = ok;
-    outcome->error = e;
-    outcome->cv.notify_all();
+    outcome->deliver(work(&e) ? "" : e.empty() ? "failed" : e);
   }).detach();
-  std::unique_lock<std::mutex> lock(outcome->mutex);
-  if (!outcome->cv.wait_for(lock, std::chrono::duration<double>(timeout),
-                            [&outcome]() { return outcome->done; })) {
+  if (!outcome->wait(timeout, error)) {
     *error = what + " did not end within " + number(timeout) + "s";
     return false;
   }
-  if (!outcome->ok) *error = outcome->error;
-  return outcome->ok;
+  return error->empty();
 }
 
 // -------------------------------------------------------------- transport --
@@ -170,30 +185,15 @@ class Transport {
     }
     std::vector<double> payload(control_.size, 0.0);
     std::copy(row.begin(), row.end(), payload.begin() + rank * kControlRow);
-    struct Gathered {
-      std::mutex mutex;
-      std::condition_variable cv;
-      bool done = false;
-      std::string error;
-      std::vector<double> total;
-    };
-    auto gathered = std::make_shared<Gathered>();
+    auto gathered = std::make_shared<Awaited>();
     start_on(control_, kControlSlot, 0, payload,
              [gathered](const std::string& e, const std::vector<double>& total) {
-      std::lock_guard<std::mutex> lock(gathered->mutex);
-      gathered->done = true;
-      gathered->error = e;
-      gathered->total = total;
-      gathered->cv.notify_all();
+      gathered->deliver(e, total);
     });
-    std::unique_lock<std::mutex> lock(gathered->mutex);
-    if (!gathered->cv.wait_for(lock, std::chrono::duration<double>(timeout),
-                               [&gathered]() { return gathered->done; })) {
+    if (!gathered->wait(timeout, error, rows)) {
       *error = "";  // the caller names what did not come
       return false;
     }
-    *error = gathered->error;
-    *rows = gathered->total;
     return error->empty();
   }
 
