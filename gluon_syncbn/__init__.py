@@ -22,9 +22,16 @@ from .convert import convert_model, revert_model  # noqa: E402
 from .session import reset  # noqa: E402
 from .precise_bn import update_bn_stats  # noqa: E402
 from . import hooks as _hooks  # noqa: E402
+from .backends import requested_backend as _requested_backend  # noqa: E402
+from .cpu_contexts import configure_from_environment as _configure_from_environment  # noqa: E402
 
-# MXNet's classes patched where the layer needs it (each patch does nothing
-# until a layer has synchronized; see hooks).
+# Everything importing does, here: the environment's settings read (a bad
+# GLUON_SYNCBN_BACKEND fails now, not at the first call; the CPU-context
+# setup only if GLUON_SYNCBN_CPU_CONTEXTS asks for it), and MXNet's classes
+# patched where the layer needs it (each patch does nothing until a layer
+# has synchronized; see hooks).
+_requested_backend()
+_configure_from_environment()
 _hooks.install()
 
 __version__ = '0.1.0'

@@ -169,7 +169,3 @@ def on_cpu_path(devices):
     GPU."""
     return (all(d.startswith('cpu') for d in devices)
             and os.environ.get(DEVICE_PATH_VARIABLE, '0') != '1')
-
-
-# Only if GLUON_SYNCBN_CPU_CONTEXTS asks for it: importing changes nothing else.
-configure_from_environment()

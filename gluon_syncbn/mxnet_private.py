@@ -1,4 +1,6 @@
-"""Every place gluon_syncbn relies on MXNet 1.9.1 behaviour that is not public API.
+"""Every place gluon_syncbn relies on MXNet 1.9.1 behaviour that is not public
+API, and every patch of code that is not ours (MXNet's, Python's, the user's
+kvstore): the patches themselves all live in ``hooks``.
 
 Each item names what we rely on and where the code that relies on it lives.
 An MXNet upgrade starts here.
@@ -45,7 +47,7 @@ Failures
 
 Class patches (``hooks``, installed by the package's ``__init__``: ``hooks.install``)
     ``autograd._RecordingStateScope.__exit__`` (an exception aborts the
-    step), ``autograd.set_recording`` and ``set_training`` (module functions
+    step; its own fields are not read), ``autograd.set_recording`` and ``set_training`` (module functions
     the scopes call by name: steps begin where a thread starts recording or
     training), ``NDArray.asnumpy``, ``NDArray.wait_to_read`` and
     ``mx.nd.waitall`` (a read notes that its thread waits),
@@ -60,7 +62,9 @@ Class patches (``hooks``, installed by the package's ``__init__``: ``hooks.insta
     names its trace gives the block's inputs (``data``, or ``data0``,
     ``data1``, ...: ``hooks.traced_ndim``).
     ``Trainer._init_params`` (the first step's broadcast of every parameter
-    from device 0) first drains the engine (``hooks.install_trainer_hook``).
+    from device 0) first drains the engine where ``Trainer._params_to_init``
+    (the parameters it has yet to broadcast) is not empty
+    (``hooks.install_trainer_hook``).
     ``Parameter._init_impl`` (initialize, ``reset_ctx``, a load onto other
     contexts) is counted (``hooks.install_parameter_hook``), and a cached
     graph compares ``Parameter.list_ctx()`` with the list it was traced for.
@@ -75,7 +79,12 @@ The layer's base (``block.SyncBatchNorm``, ``convert.py``)
     ``nn.BatchNorm``'s constructor makes the parameters and ``_kwargs`` the
     operators take (its ``eps`` and ``momentum`` followed where users change
     them between steps: ``Backend.follow_arguments``); its ``_alias`` is
-    'batchnorm', ours 'syncbatchnorm'.
+    'batchnorm', ours 'syncbatchnorm'. Its ``_deferred_infer_shape`` is
+    overridden: Gluon wraps any failure of a deferred initialization in a
+    ValueError about shapes, and ours are re-raised unwrapped
+    (``errors.ours_behind``). ``Parameter._data`` is None until a parameter
+    has data (``precise_bn``, which refuses layers without running
+    statistics).
     ``nn.BatchNormReLU`` and other batch-norm blocks are found as subclasses
     of Gluon's private ``_BatchNorm``. A native operator's backward node
     refuses its own gradient (``FGradient``, ``sync_call.h``
@@ -97,7 +106,7 @@ AMP (``backends/vector_graph.py``, :func:`amp_initialized`)
     once, and says so in ``amp._amp_initialized``: only graphs traced after
     it can be fed float16 they do not declare.
 
-The user's kvstore (``transport._serialize_calls``)
+The user's kvstore (``hooks.wrap_kvstore``)
     Its methods are wrapped to take one lock, and ``init``/``broadcast`` drain
     the engine: 1.9.1's dist kvstore keeps per-key buffers in unguarded maps.
     Its ``set_gradient_compression`` raises: 1.9.1 compresses every key of a
@@ -119,10 +128,11 @@ The kvstore server and ps-lite (``native/session.h``, ``transport.h``, ``transpo
     scheduler no longer answers at ``DMLC_PS_ROOT_URI:DMLC_PS_ROOT_PORT``
     ends itself (``watch_helpers``).
 
-Python (``transport._guard_exit``, at the first cross-process layer's construction)
+Python (``hooks.install_exit_guard``, at the first cross-process layer's construction)
     ``sys.excepthook``, ``sys.exit`` and the builtin ``SystemExit`` are
     replaced (the last by a subclass), and an ``atexit`` handler added, so a
-    worker learns how its script ended and ends at once when it failed.
+    worker learns how its script ended and ends at once when it failed
+    (``transport._at_exit``).
 
 Block trees (``hooks.blocks_of``, ``convert.py``)
     ``Block._children``, the ordered children of a block, walked to find and

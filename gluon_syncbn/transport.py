@@ -24,9 +24,8 @@ A worker whose script fails ends at once too (:func:`_guard_exit`): left
 to itself, its interpreter's exit would wait in ps-lite's final barrier for
 the other workers, which wait for its sums until their timeout.
 """
-import atexit
-import builtins
 import ctypes
+import functools
 import os
 import sys
 import threading
@@ -34,6 +33,7 @@ import weakref
 
 from . import messages
 from .errors import SyncBatchNormError
+from .hooks import install_exit_guard, wrap_kvstore
 from .session import drain
 
 __all__ = ['LocalTransport', 'KVStoreTransport', 'HorovodTransport', 'make_transport']
@@ -124,54 +124,12 @@ _exit_state = {'failure': None, 'library': None}
 def _guard_exit(rank):
     """Once per process, at the first cross-process layer's construction:
     :func:`_at_exit` runs at interpreter exit, and the script's end is noted
-    where it is a failure.
-
-    Python tells nobody at exit how the script ended, so hooks note it as
-    it happens: ``sys.excepthook`` (an uncaught exception), and the exit
-    exception, which notes a non-zero code when it is deleted with no Python
-    code left on the stack, which happens only once it has ended the script
-    (one the script catches dies inside its frames). That exception is
-    :class:`_ScriptExit`: ``sys.exit`` raises it, and it is the builtin
-    ``SystemExit`` from now on, which ``raise SystemExit(n)`` and the
-    builtin ``exit(n)`` raise (a subclass: ``except SystemExit`` catches it).
-    """
-    if sys.exit is _script_exit:
-        return
-    previous_hook = sys.excepthook
-
-    def excepthook(kind, value, trace):
-        if not _in_python_code():  # the uncaught exception that ends the script
-            code = 130 if issubclass(kind, KeyboardInterrupt) else 1
-            _exit_state['failure'] = (code, ('%s: %s' % (kind.__name__, value)) if str(value)
-                                      else kind.__name__)
-        previous_hook(kind, value, trace)
-    sys.excepthook = excepthook
-    sys.exit = _script_exit
-    builtins.SystemExit = _ScriptExit
-    atexit.register(_at_exit, rank)
+    where it is a failure (``hooks.install_exit_guard``)."""
+    install_exit_guard(_note_failure, functools.partial(_at_exit, rank))
 
 
-def _in_python_code():
-    """Whether a Python frame is on the stack beyond the caller's own."""
-    try:
-        sys._getframe(2)
-    except ValueError:
-        return False
-    return True
-
-
-class _ScriptExit(SystemExit):
-    """What ``sys.exit`` raises in a worker (see :func:`_guard_exit`)."""
-
-    def __del__(self):
-        code = 0 if self.code is None else self.code if isinstance(self.code, int) else 1
-        if code != 0 and not _in_python_code():
-            _exit_state['failure'] = (code, 'sys.exit(%r)' % (self.code,))
-
-
-def _script_exit(status=None):
-    """``sys.exit`` in a worker (see :func:`_guard_exit`)."""
-    raise _ScriptExit(status)
+def _note_failure(code, cause):
+    _exit_state['failure'] = (code, cause)
 
 
 def _at_exit(rank):
@@ -226,8 +184,12 @@ class KVStoreTransport(_CrossProcessTransport):
         self.rank = kvstore.rank
         self.num_workers = kvstore.num_workers
         super(KVStoreTransport, self).__init__()
+        # Every call on the store takes the lock the twin's reductions take:
+        # MXNet's dist kvstore front end keeps per-key buffers in unguarded
+        # maps (hooks.wrap_kvstore says more).
         self._store_lock = _StoreLock(self)
-        _serialize_calls(kvstore, self._store_lock)
+        wrap_kvstore(kvstore, self._store_lock, SyncBatchNormError(
+            messages.text('compression', transport=self.name) + '.'))
 
     def _make_native(self, lib):
         kvstore = self.kvstore
@@ -279,58 +241,6 @@ class _StoreLock(object):
         if twin is not None:
             self._transport._native_lib.store_lock(twin, False)
         self._transport._lock.release()
-
-
-def _serialize_calls(kvstore, lock):
-    """Make every call on ``kvstore`` take ``lock``, ours and the Trainer's alike.
-
-    MXNet's dist kvstore front end keeps per-key buffers in unguarded C++ maps.
-    Our reductions are issued from engine threads while the main thread
-    issues the Trainer's, and the Trainer's first calls insert into those maps.
-
-    Issuing a push or pull is asynchronous, so the lock is held briefly. ``init``
-    and ``broadcast`` block until the store holds the value, which may wait for
-    our operators (they write the running statistics the Trainer broadcasts)
-    while those wait for the lock: so these first drain the engine, then lock.
-    They also drain afterwards: a broadcast's pull still in flight when the same
-    key's first pushpull is issued can land in the wrong array (MXNet 1.9.1
-    reuses one per-key buffer for both). Plain Gluon with a dist_sync Trainer
-    diverged across workers in 9 of 16 loaded runs that way; draining after
-    the Trainer's lazy initialization, 0 of 12.
-    The wrappers reach the store through a weak reference, so the store is
-    still destroyed when the user drops it.
-    """
-    import mxnet as mx
-    ref = weakref.ref(kvstore)
-    for name in ('init', 'broadcast', 'push', 'pull', 'pushpull', 'row_sparse_pull'):
-        method = getattr(type(kvstore), name, None)
-        if method is not None:
-            drain = mx.nd.waitall if name in ('init', 'broadcast') else None
-            setattr(kvstore, name, _locked(method, ref, lock, drain))
-    kvstore.set_gradient_compression = _refuse_compression(kvstore)
-
-
-def _refuse_compression(kvstore):
-    """``kvstore.set_gradient_compression``, refused at once: MXNet applies
-    it to every key of the store, ours too, and then refuses pushpull."""
-    name = "kvstore '%s'" % kvstore.type
-
-    def set_gradient_compression(compression_params):
-        raise SyncBatchNormError(messages.text('compression', transport=name) + '.')
-    return set_gradient_compression
-
-
-def _locked(method, ref, lock, drain):
-    def call(*args, **kwargs):
-        if drain is not None:
-            drain()
-        with lock:
-            result = method(ref(), *args, **kwargs)
-        if drain is not None:
-            drain()
-        return result
-    call.__doc__ = method.__doc__
-    return call
 
 
 class HorovodTransport(_CrossProcessTransport):

@@ -154,7 +154,3 @@ def explain():
         ('GPUs', choose(['gpu(0)', 'gpu(1)'], local, requested)),
         ('across processes (CPU contexts)', choose(['cpu(0)'], remote, requested)),
         ('across processes (GPUs)', choose(['gpu(0)'], remote, requested))])
-
-
-# A bad GLUON_SYNCBN_BACKEND is an error at import, not at the first call.
-requested_backend()
