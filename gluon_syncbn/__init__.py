@@ -9,7 +9,16 @@ modules' import-time work is only what they need before MXNet runs (see
 ``cuda_libs``, ``cpu_contexts``), and the hooks (``hooks``) do nothing until
 a layer has synchronized.
 """
-from .cuda_libs import preload as _preload_cuda_libraries
+import importlib.util as _importlib_util
+
+if _importlib_util.find_spec('mxnet') is None:
+    raise ModuleNotFoundError(
+        "gluon_syncbn needs MXNet 1.9.1, which is not installed here: install the package "
+        "with one of its extras, pip install -e '.[cpu]' (MXNet's CPU build) or "
+        "pip install -e '.[gpu]' (its CUDA 11.2 build; docs/install.md, section 'GPUs')",
+        name='mxnet')
+
+from .cuda_libs import preload as _preload_cuda_libraries  # noqa: E402
 
 # First, before anything imports mxnet: its GPU build then finds the CUDA
 # runtime wheels' libraries (nothing happens with the CPU build).

@@ -26,7 +26,7 @@ from .errors import SyncBatchNormError
 from .mxnet_private import resources_made
 
 __all__ = ['configure_cpu_contexts', 'configure_from_environment', 'check_cpu_contexts',
-           'slots_for', 'is_naive_engine', 'on_cpu_path']
+           'describe', 'slots_for', 'is_naive_engine', 'on_cpu_path']
 
 CONTEXTS_VARIABLE = 'GLUON_SYNCBN_CPU_CONTEXTS'
 DEVICE_PATH_VARIABLE = 'GLUON_SYNCBN_DEVICE_PATH'
@@ -146,6 +146,19 @@ def check_cpu_contexts(layer_name, devices):
         "`import gluon_syncbn`, before MXNet runs its first operator (or set %s=%d in the "
         "environment); then start the program again." % (
             layer_name, problem, cpus, CONTEXTS_VARIABLE, cpus))
+
+
+def describe():
+    """One line: for how many CPU contexts the engine is set up in this
+    process, and with what (``python -m gluon_syncbn``)."""
+    values = ', '.join('%s=%s' % (name, os.environ.get(name, 'unset'))
+                       for name in (TEMP_SLOTS, RANDOM_SLOTS))
+    if _configured_contexts[0] > 1:
+        return 'in effect for up to %d CPU contexts (%s)' % (_configured_contexts[0], values)
+    if all(_int_env(name) >= least for name, least in MIN_SLOTS.items()):
+        return 'set by hand (%s), taken as in effect' % values
+    return ('not in effect (%s): one CPU context per layer only; for more, '
+            'configure_cpu_contexts(N) or %s=N' % (values, CONTEXTS_VARIABLE))
 
 
 def _int_env(name):

@@ -1,6 +1,7 @@
 """``python -m gluon_syncbn``: what this installation can do, and why.
 
-Prints, for a user to read or paste into a bug report: MXNet's build and
+Prints, for a user to read or paste into a bug report: the machine (cores,
+AVX-512, the compiler, the CPU-context setup); MXNet's build and
 features; each GPU with its compute capability and whether MXNet 1.9.1 runs
 there; the CUDA libraries found; the native library, its build and its
 self-tests' verdicts; which backend a layer on CPU contexts, on GPUs and
@@ -27,8 +28,13 @@ def _section(lines, title):
 def report(selftest=False):
     """The report's lines. ``selftest``: run both self-tests now."""
     import mxnet as mx
-    from . import __version__, backends, cuda_libs, gpus, native
+    from . import __version__, backends, cpu_contexts, cuda_libs, gpus, native
     lines = ['gluon_syncbn %s, Python %s' % (__version__, sys.version.split()[0])]
+    _section(lines, 'Machine')
+    lines.append('  CPU cores: %d usable of %d' % (len(os.sched_getaffinity(0)), os.cpu_count()))
+    lines.append('  AVX-512: %s' % _avx512())
+    lines.append('  compiler: %s' % native.compiler_version())
+    lines.append('  CPU-context setup: %s' % cpu_contexts.describe())
     _section(lines, 'MXNet')
     features = mx.runtime.Features()
     lines.append('  %s at %s' % (mx.__version__, os.path.dirname(mx.__file__)))
@@ -36,14 +42,18 @@ def report(selftest=False):
         name for name in ('CUDA', 'CUDNN', 'NCCL', 'MKLDNN', 'DIST_KVSTORE')
         if features.is_enabled(name)))
     _section(lines, 'GPUs')
-    found = gpus.gpu_properties()
+    cuda = features.is_enabled('CUDA')
+    found = gpus.gpu_properties() if cuda else []
     for i, (name, capability) in enumerate(found):
         runs = gpus.FIRST <= capability < gpus.LAST
         lines.append('  gpu(%d): %s, compute capability %d.%d: %s' % (
             i, name, capability[0], capability[1],
             'MXNet 1.9.1 runs here' if runs else 'MXNet 1.9.1 has no kernels for it'))
-    if not found:
-        lines.append('  none (no CUDA runtime loaded, or no GPU)')
+    if not cuda:
+        lines.append('  none: this MXNet build has no CUDA (for GPUs: pip install '
+                     "'gluon_syncbn[gpu]', MXNet's CUDA 11.2 build)")
+    elif not found:
+        lines.append('  none found (no GPU, or no driver)')
     library = cuda_libs.mxnet_library()
     needed = sorted(set(cuda_libs.RUNTIME) & set(cuda_libs.needed_libraries(library))) \
         if library else []
@@ -62,7 +72,13 @@ def report(selftest=False):
     _section(lines, 'Backends (%s=%s)' % (backends.BACKEND_VARIABLE,
                                          backends.requested_backend()))
     for question, choice in backends.explain().items():
-        lines.append('  %s: %s (%s)' % (question, choice.backend or 'none', choice.reason))
+        if 'GPUs' in question and not cuda:
+            lines.append('  %s: none (this MXNet build has no CUDA)' % question)
+        elif 'GPUs' in question and not found:
+            lines.append('  %s: none found; %s would run them (%s)' % (
+                question, choice.backend or 'nothing', choice.reason))
+        else:
+            lines.append('  %s: %s (%s)' % (question, choice.backend or 'none', choice.reason))
     for part, verdict in sorted(native.status()['verdicts'].items()):
         lines.append('  self-test %s: %s' % (part, verdict))
     _section(lines, 'Across processes')
@@ -73,6 +89,21 @@ def report(selftest=False):
     for name in ENVIRONMENT:
         lines.append('  %s=%s' % (name, os.environ.get(name, '')))
     return lines
+
+
+def _avx512():
+    """Whether this CPU has the AVX-512 that MKL-DNN's bfloat16 kernels need."""
+    try:
+        with open('/proc/cpuinfo') as cpuinfo:
+            flags = next((line.split(':', 1)[1].split() for line in cpuinfo
+                          if line.startswith('flags')), [])
+    except OSError:
+        return 'unknown (no /proc/cpuinfo)'
+    core = all(f in flags for f in ('avx512f', 'avx512bw', 'avx512vl', 'avx512dq'))
+    if not core:
+        return 'no: bfloat16 AMP cannot run on this CPU (MKL-DNN needs AVX-512 for it)'
+    return 'yes%s: bfloat16 AMP can run' % (', with avx512_bf16' if 'avx512_bf16' in flags
+                                             else '')
 
 
 def _horovod():

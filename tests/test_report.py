@@ -1,5 +1,11 @@
 """``python -m gluon_syncbn``: the report a user reads or pastes into a bug report."""
-from tests.conftest import run_python
+import os
+import subprocess
+import sys
+
+import mxnet as mx
+
+from tests.conftest import ROOT, run_python
 
 REPORT = 'import runpy, sys; sys.argv[1:] = %r; runpy.run_module("gluon_syncbn", run_name="__main__")'
 
@@ -13,14 +19,45 @@ def report(args=(), **env):
 def test_the_report_names_each_backend_and_why():
     # The users' build (not the tests'): its self-tests run here too.
     text = report(['--selftest'], GLUON_SYNCBN_TESTING='0')
-    for section in ('MXNet', 'GPUs', 'Native library', 'Backends', 'Across processes',
-                    'Settings'):
+    for section in ('Machine', 'MXNet', 'GPUs', 'Native library', 'Backends',
+                    'Across processes', 'Settings'):
         assert '\n%s' % section in text, text
     assert 'self-test async now: ok' in text and 'self-test exchange now: ok' in text, text
     assert 'CPU contexts: async (the asynchronous operator, native and self-tested' in text
-    assert 'GPUs: exchange (the exchange operator, native and self-tested' in text, text
     assert 'across processes (CPU contexts): async' in text, text
     assert 'features: ' in text and 'MKLDNN' in text, text
+    # No GPU operator claimed where no GPU can run: this machine has none.
+    if mx.runtime.Features().is_enabled('CUDA'):  # the GPU wheel, through the stand-in
+        assert '  GPUs: none found; exchange would run them (the exchange operator' in text
+    else:
+        assert '  GPUs: none (this MXNet build has no CUDA)' in text, text
+        assert 'across processes (GPUs): none (this MXNet build has no CUDA)' in text, text
+    # What a bug report needs of the machine.
+    assert '  CPU cores: %d usable of %d' % (len(os.sched_getaffinity(0)), os.cpu_count()) \
+        in text, text
+    avx512 = 'avx512bw' in open('/proc/cpuinfo').read()
+    assert ('  AVX-512: yes' if avx512 else '  AVX-512: no: bfloat16 AMP cannot run') in text
+    assert '  compiler: ' in text and 'g++' in text, text
+    assert '  CPU-context setup: not in effect (MXNET_CPU_TEMP_COPY=' in text, text
+
+
+def test_the_report_says_whether_the_cpu_context_setup_is_in_effect():
+    text = report(GLUON_SYNCBN_CPU_CONTEXTS='4', MXNET_CPU_TEMP_COPY='',
+                  MXNET_CPU_PARALLEL_RAND_COPY='')
+    assert '  CPU-context setup: in effect for up to 4 CPU contexts (MXNET_CPU_TEMP_COPY=1024, ' \
+        'MXNET_CPU_PARALLEL_RAND_COPY=32)' in text, text
+
+
+def test_without_mxnet_import_and_report_name_the_extras():
+    # -S: no site-packages, so no MXNet; this checkout through PYTHONPATH.
+    for args in (['-c', 'import gluon_syncbn'], ['-m', 'gluon_syncbn']):
+        proc = subprocess.run([sys.executable, '-S'] + args, capture_output=True, text=True,
+                              timeout=60, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT))
+        assert proc.returncode == 1, proc
+        last = proc.stderr.strip().splitlines()[-1]
+        assert last.startswith('ModuleNotFoundError: gluon_syncbn needs MXNet 1.9.1, which is '
+                               "not installed here: install the package with one of its extras, "
+                               "pip install -e '.[cpu]'") and "'.[gpu]'" in last, proc.stderr
 
 
 def test_the_report_says_why_no_backend_can_run(tmp_path):
@@ -30,8 +67,8 @@ def test_the_report_says_why_no_backend_can_run(tmp_path):
     assert 'CPU contexts: none (the native operators are required, but the native library is ' \
         "not available: no C++ compiler: '/nonexistent/g++' was not found. Install a C++ " \
         'compiler' in text, text
-    assert 'across processes (GPUs): none (across processes the native operators are ' \
-        'required' in text, text
+    assert 'across processes (CPU contexts): none (across processes the native operators ' \
+        'are required' in text, text
     (tmp_path / 'file').write_text('')  # a cache under a file cannot be made
     text = report(GLUON_SYNCBN_CACHE=str(tmp_path / 'file' / 'cache'))
     assert 'not available: its cache directory %s cannot be written' % (

@@ -147,7 +147,7 @@ def build(path, cache_root):
     if not os.path.exists(header):
         raise NativeUnavailable('the mxnet package has no C API headers (%s)' % header,
                                 fix="Reinstall MXNet's wheel, which ships them")
-    compiler = os.environ.get('CXX') or 'g++'
+    compiler = compiler_name()
     if shutil.which(compiler) is None:
         raise NativeUnavailable('no C++ compiler: %r was not found' % compiler,
                                 fix='Install a C++ compiler (g++, or set CXX to one)')
@@ -179,6 +179,25 @@ def build(path, cache_root):
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
+
+
+def compiler_name():
+    """The compiler :func:`build` runs: ``$CXX``, else ``g++``."""
+    return os.environ.get('CXX') or 'g++'
+
+
+def compiler_version():
+    """The first line ``<compiler> --version`` prints, or why there is none."""
+    compiler = compiler_name()
+    if shutil.which(compiler) is None:
+        return '%r not found' % compiler
+    try:
+        proc = subprocess.run([compiler, '--version'], capture_output=True, text=True,
+                              timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return '%s: %s' % (compiler, exc)
+    first = (proc.stdout or proc.stderr).strip().splitlines()
+    return '%s (%s)' % (shutil.which(compiler), first[0] if first else 'no version')
 
 
 def _say(line):
