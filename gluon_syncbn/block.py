@@ -214,10 +214,13 @@ class SyncBatchNorm(nn.BatchNorm):
         if self._num_devices is not None and self._num_devices != len(devices):
             raise SyncBatchNormError(
                 "SyncBatchNorm '%s': num_devices=%d but its parameters are initialized on %d "
-                "context(s) (%s); it would wait for devices that never call. Pass "
-                "num_devices=None, or initialize on %d contexts." % (
+                "context(s) (%s); %s. Pass num_devices=%d (or None, which counts them), or "
+                "initialize on %d context(s)." % (
                     self.name, self._num_devices, len(devices), ', '.join(devices),
-                    self._num_devices))
+                    'it would wait for devices that never call'
+                    if self._num_devices > len(devices) else
+                    'every context its parameters live on takes part in each call',
+                    len(devices), self._num_devices))
         check_gpus(self.name, devices)
         if len(devices) > 1 and is_naive_engine():
             raise SyncBatchNormError(

@@ -1282,7 +1282,7 @@ def misconfigured(problem, hybridize=False, deferred=False):
     (``deferred``: the layer learns its channels at its first call, inside
     Gluon's deferred initialization)."""
     ctxs = contexts(2)
-    num_devices = 4 if problem == 'num_devices' else None
+    num_devices = {'num_devices': 4, 'num_devices_small': 1}.get(problem)
     sync_groups = [[0, 1], [2]] if problem == 'sync_groups' else None  # 3 devices, 2 here
     net = gluon.nn.HybridSequential()
     net.add(SyncBatchNorm(in_channels=0 if deferred else 3, num_devices=num_devices, timeout=60,

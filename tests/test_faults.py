@@ -113,7 +113,19 @@ def test_num_devices_larger_than_contexts_is_refused(hybridize, deferred):
                      deferred=deferred)
     assert r['type'] == 'SyncBatchNormError'
     assert 'num_devices=4' in r['message'] and '2 context(s)' in r['message']
+    assert 'it would wait for devices that never call. Pass num_devices=2 (or None' \
+        in r['message'], r['message']
     assert r['seconds'] < 5
+
+
+def test_num_devices_smaller_than_contexts_is_refused_saying_so():
+    r = run_scenario('misconfigured', timeout=120, problem='num_devices_small')
+    assert r['type'] == 'SyncBatchNormError'
+    assert "num_devices=1 but its parameters are initialized on 2 context(s) (cpu(0), " \
+        "cpu(1)); every context its parameters live on takes part in each call. Pass " \
+        "num_devices=2 (or None, which counts them), or initialize on 1 context(s)." \
+        in r['message'], r['message']
+    assert 'never call' not in r['message'], r['message']
 
 
 def test_interpreter_exit_does_not_wait_for_a_missing_partner():
