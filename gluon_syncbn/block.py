@@ -329,6 +329,8 @@ class SyncBatchNorm(nn.BatchNorm):
             dtype = dtype_name(x.dtype)
             SESSION.clear_failed_arrays()
             backend.follow_arguments()  # a traced graph's calls: hooks
+            if not all(x.shape):  # an empty slice (NumPy shape mode: _check_input)
+                backend.watch_empty_slice(x)
         else:
             dtype = self._input_dtype
             traced_call(backend)

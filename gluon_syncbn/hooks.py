@@ -547,7 +547,10 @@ def install_trainer_hook(trainer_class, session, waitall):
 
     def _init_params(self):
         if session.active() and self._params_to_init:
-            waitall()  # running statistics written by pending engine operations
+            try:
+                waitall()  # running statistics written by pending engine operations
+            except Exception as exc:  # pylint: disable=broad-except
+                raise session.failure_behind(exc)
         return original(self)
 
     trainer_class._init_params = _init_params
@@ -563,13 +566,17 @@ def install_read_hooks(ndarray_class, namespaces, session):
     if getattr(ndarray_class.asnumpy, '_gluon_syncbn_hooked', False):
         return
 
-    def noted(function, describe):
+    def noted(function, describe, whole_engine=False):
         def read(*args, **kwargs):
             if not session.active():
                 return function(*args, **kwargs)
             session.native.reading(describe(*args))
             try:
                 return function(*args, **kwargs)
+            except Exception as exc:  # pylint: disable=broad-except
+                if not whole_engine:
+                    raise  # the array's own error
+                raise session.failure_behind(exc)
             finally:
                 session.native.reading(None)
         read.__doc__ = function.__doc__
@@ -580,7 +587,9 @@ def install_read_hooks(ndarray_class, namespaces, session):
         setattr(ndarray_class, name, noted(
             getattr(ndarray_class, name),
             lambda self, *a, name=name: 'NDArray.%s() of an array on %s' % (name, self.context)))
-    waitall = noted(namespaces[0].waitall, lambda *a: 'mx.nd.waitall()')
+    # waitall raises the first error of any operation: where a step failed,
+    # its cause (Session.failure_behind).
+    waitall = noted(namespaces[0].waitall, lambda *a: 'mx.nd.waitall()', whole_engine=True)
     for namespace in namespaces:
         namespace.waitall = waitall
 

@@ -40,6 +40,12 @@ TEMPLATES = {
     'empty_batch':
         "SyncBatchNorm '{layer}': every device's slice of this batch is empty{where}; there is "
         "nothing to normalize. Skip empty batches.",
+    'empty_slice_refused':
+        "SyncBatchNorm '{layer}': the empty slice on {device} (shape {shape}) never reached "
+        "it: an earlier operator on {device} failed on it (MXNet's convolutions and dense "
+        "layers refuse size-0 arrays; that device's outputs carry their error). Feed every "
+        "device at least one sample: a DataLoader with last_batch='discard' (or 'rollover'), "
+        "or batches the number of devices divides (split_and_load(..., even_split=True)).",
     'in_sync_group': " in sync group {group}",
     'call_timeout':
         "SyncBatchNorm '{layer}': only {arrived} of {devices} devices ({present}) reached "

@@ -12,7 +12,7 @@ import weakref
 
 from . import messages
 from . import native
-from .errors import SyncBatchNormError
+from .errors import SyncBatchNormError, SyncBatchNormTimeout
 
 __all__ = ['SESSION', 'SETUP_LOCK', 'reset']
 
@@ -185,6 +185,23 @@ class Session(object):
             for backend in self.live_backends():
                 backend.clear_failed_state()
             self._cleared_token = step
+
+    def failure_behind(self, exc):
+        """What a wait for the whole engine (``waitall``) that raised ``exc``
+        raises: where the current step failed, its cause as our exception,
+        with ``exc`` as that exception's cause. MXNet raises the first error
+        any operation left, which is often what made the step fail (an
+        operator on one device, so that device never called a layer) and
+        says nothing of the layers that waited for it; else ``exc``."""
+        if self.native is None or isinstance(exc, SyncBatchNormError):
+            return exc
+        failure = self.native.step_failure()
+        if not failure:
+            return exc
+        ours = (SyncBatchNormTimeout if failure.startswith(SyncBatchNormTimeout.__name__ + ':')
+                else SyncBatchNormError)(failure)
+        ours.__cause__ = exc
+        return ours
 
     def fail_step(self, cause=None, exiting=False):
         """The current step failed with ``cause`` (default: ``gluon_syncbn.reset()``

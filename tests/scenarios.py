@@ -735,6 +735,48 @@ def empty_slices(empty, sizes=(2, 3, 1), hybridize=False, steps=2, seed=0, numpy
 
 
 @scenario
+def empty_slice_in_network(read='losses', hybridize=False, seed=0):
+    """A Trainer step of Conv2D -> SyncBatchNorm on 3 contexts, a batch of 2
+    split by ``split_and_load(..., even_split=False)`` in NumPy shape mode
+    (set after the network is built: MXNet cannot build its legacy layers in
+    it): cpu(2)'s slice is empty and MXNet's convolution refuses it, so that
+    device never calls the layer. The error where ``read`` surfaces it
+    ('losses': their asnumpy; 'step': the Trainer's first step; 'waitall'),
+    then a step on a batch of 3 compared with float64 maths (``recovered``)."""
+    rng = np.random.RandomState(seed)
+    ctxs = contexts(3)
+    net = gluon.nn.HybridSequential()
+    net.add(gluon.nn.Conv2D(4, 3, in_channels=3, use_bias=False),
+            SyncBatchNorm(in_channels=4, timeout=60))
+    net.initialize(mx.init.Xavier(), ctx=ctxs)
+    _hybridize(net, hybridize)
+    trainer = gluon.Trainer(net.collect_params(), 'sgd', {'learning_rate': 0.0})
+    mx.util.set_np_shape(True)
+
+    def step(batch):
+        xs = gluon.utils.split_and_load(mx.nd.array(batch), ctxs, even_split=False)
+        with autograd.record():
+            outs = [net(a) for a in xs]
+            losses = [o.sum() for o in outs]
+        autograd.backward(losses)
+        if read == 'losses':
+            [l.asnumpy() for l in losses]  # pylint: disable=expression-not-assigned
+        trainer.step(batch.shape[0])
+        mx.nd.waitall()
+        return outs
+
+    msg, kind, seconds = _capture(lambda: step(rng.randn(2, 3, 6, 6).astype(np.float32)))
+    x = rng.randn(3, 3, 6, 6).astype(np.float32) * 3 + 1e3
+    y = np.concatenate([o.asnumpy() for o in step(x)])
+    # The convolution's own float32 output (its rounding is not the layer's).
+    conv = np.concatenate([net[0](a).asnumpy() for a in gluon.utils.split_and_load(
+        mx.nd.array(x), ctxs)]).astype(np.float64)
+    y64 = batchnorm_float64(conv, np.ones_like(conv), np.ones(4), np.zeros(4))[0]
+    return {'message': msg, 'type': kind, 'seconds': seconds,
+            'recovered': max_rel_err(y, y64)}
+
+
+@scenario
 def missing_device(num_devices=3, hybridize=False, timeout_seconds=2.0, seed=0):
     """Steps of a Trainer loop where the last device gets no slice (a last
     batch of fewer samples than devices), then a normal step. The timeout

@@ -46,3 +46,18 @@ def test_an_empty_slice_outside_numpy_shape_mode_names_the_fix(hybridize):
     assert 'set_np_shape(True)' in r['message'] and "'syncbatchnorm0'" in r['message']
     assert r['seconds'] < 10
     assert r['recovered'] < EXACT
+
+
+@pytest.mark.parametrize('read,hybridize', [('losses', False), ('step', True),
+                                            ('waitall', 'static')])
+def test_an_empty_slice_an_earlier_layer_refuses_is_named_at_once(read, hybridize):
+    # MXNet's convolution refuses the empty slice, so its device never calls
+    # the layer: the step fails at once naming it and the fix (not the
+    # timeout), wherever the user reads, and the next step is exact.
+    r = run_scenario('empty_slice_in_network', timeout=180, read=read, hybridize=hybridize)
+    assert r['type'] == 'SyncBatchNormError', r
+    assert "the empty slice on cpu(2) (shape (0, 4, 4, 4)) never reached it: an earlier " \
+        "operator on cpu(2) failed on it" in r['message'], r['message']
+    assert "last_batch='discard'" in r['message'], r['message']
+    assert r['seconds'] < 10, r  # the layer's timeout is 60 s
+    assert r['recovered'] < EXACT, r

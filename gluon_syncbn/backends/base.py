@@ -5,16 +5,18 @@ and tallies there, and the clean-up after an aborted step."""
 import os
 import weakref
 
+from .. import messages
 from ..groups import partition
 from ..tally import Tally
 
 __all__ = ['Backend', 'timeout_hint']
 
 LAST_BATCH_HINT = (
-    "A device that never calls the layer usually means the batch had fewer samples than "
-    "devices, so split_and_load made fewer slices: use a DataLoader with "
-    "last_batch='discard' or 'rollover'. Otherwise raise timeout= (or GLUON_SYNCBN_TIMEOUT) "
-    "if a device is just slow.")
+    "A device that never calls the layer was not given its part of the step (a loop over "
+    "fewer slices than devices, a thread that did not run), or an earlier operator failed "
+    "on it (that device's outputs carry the error). Feed every device in every step (a "
+    "DataLoader with last_batch='discard' or 'rollover'); raise timeout= (or "
+    "GLUON_SYNCBN_TIMEOUT) if a device is just slow.")
 CPU_SLOTS_HINT = (
     " If every device was fed: CPU contexts share MXNet's temp-space and random-number "
     "slots, and a network with many Dropout (or other) layers between the devices' calls "
@@ -120,6 +122,15 @@ class Backend(object):
         if arguments != self._sent:
             self._lib.set_arguments(self.handle, arguments)
             self._sent = arguments
+
+    def watch_empty_slice(self, x):
+        """Before an imperative training call on ``x``, an empty slice: if an
+        earlier operator on its device refused it (MXNet's convolutions do),
+        the engine skips this device's calls, and the step fails at once
+        naming the empty slice instead of the others waiting for it
+        (``gsbn_watch_slice``)."""
+        self._lib.watch_slice(x, messages.text('empty_slice_refused', layer=self.layer_name,
+                                               device=x.context, shape=x.shape))
 
     def forward(self, F, x, gamma, beta, running_mean, running_var, dtype, static_shape,
                 imperative):

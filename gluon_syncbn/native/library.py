@@ -43,6 +43,7 @@ class Library(object):
                 ('gsbn_settle', [c.c_int64], None),
                 ('gsbn_fence', [c.POINTER(c.c_int64), c.POINTER(c.c_int), c.c_int,
                                 c.POINTER(c.c_void_p), c.c_int], c.c_int),
+                ('gsbn_watch_slice', [c.c_void_p, c.c_char_p], c.c_int),
                 ('gsbn_tally', [c.c_int64, c.c_int], None),
                 ('gsbn_tally_read', [c.c_int64, c.c_int, c.POINTER(c.c_double),
                                      c.POINTER(c.c_double), c.POINTER(c.c_double), c.c_int],
@@ -51,6 +52,7 @@ class Library(object):
                 ('gsbn_reading', [c.c_char_p], None),
                 ('gsbn_abort', [c.c_char_p, c.c_int], None),
                 ('gsbn_broken', [c.c_char_p, c.c_int], c.c_int),
+                ('gsbn_step_failure', [c.c_char_p, c.c_int], c.c_int),
                 ('gsbn_transport_create', [c.c_char_p, c.c_void_p, c.c_int, c.c_int, c.c_int,
                                            c.c_char_p, c.c_double], c.c_int),
                 ('gsbn_transport_close', [c.c_int, c.c_char_p], None),
@@ -134,6 +136,12 @@ class Library(object):
                                     (c.c_void_p * len(arrays))(*[a.handle for a in arrays]),
                                     len(arrays)) == 0
 
+    def watch_slice(self, array, why):
+        """``array``, an empty slice, is issued to a layer: if it turns out
+        not computed (an earlier operator on its device failed), the step is
+        aborted with ``why``. True on success."""
+        return self._lib.gsbn_watch_slice(array.handle, why.encode()) == 0
+
     def settle(self, layer):
         """Wait for ``layer``'s calls issued so far and clear the error a failed
         one left on their arrays."""
@@ -166,6 +174,13 @@ class Library(object):
 
     def abort(self, cause, exiting):
         self._lib.gsbn_abort(str(cause).encode('utf-8', 'replace'), int(exiting))
+
+    def step_failure(self):
+        """Why the current step failed (``'SyncBatchNormTimeout: ...'``, as the
+        operators fail), or '' while it has not."""
+        text = ctypes.create_string_buffer(_TEXT)
+        self._lib.gsbn_step_failure(text, len(text))
+        return text.value.decode('utf-8', 'replace')
 
     def broken(self):
         """Why cross-process synchronization broke, or ''."""

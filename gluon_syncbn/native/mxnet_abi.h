@@ -124,8 +124,14 @@ template <typename T> mxnet::OpStatePtr make_state(T* object,
   return state;
 }
 
-// A new engine variable that lives as long as the process.
+// A new engine variable that lives as long as the process, or until
+// delete_engine_variable.
 mxnet::Engine::VarHandle new_engine_variable() { return mxnet::Engine::Get()->NewVariable(); }
+
+// Deletes `var` once every operation pushed on it so far has run.
+void delete_engine_variable(mxnet::Engine::VarHandle var) {
+  mxnet::Engine::Get()->DeleteVariable(OLD_ABI(ignore_run_context), mxnet::Context::CPU(), var);
+}
 
 // The engine variable of an NDArray handed to us by handle.
 mxnet::Engine::VarHandle array_variable(void* array) {

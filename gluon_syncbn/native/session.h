@@ -43,7 +43,8 @@ struct Layer;
 std::mutex& g_mutex = *new std::mutex();  // guards every structure below and every Layer
 uint64_t g_token = 0;        // the current step; advanced by every abort
 uint64_t g_issue_token = 0;  // what calls issued now get: g_token as of the step's start
-std::string& g_cause = *new std::string();
+std::string& g_cause = *new std::string();       // why the last abort was
+std::string& g_cause_kind = *new std::string();  // and the exception it is raised as
 // Every layer by its handle (the operators' `layer` argument), handed out
 // once per layer and never reused.
 std::map<int64_t, std::shared_ptr<Layer>>& g_layers =
@@ -252,6 +253,7 @@ void abort_locked(const std::string& cause, const std::string& kind = kSyncBatch
                          {{"rank", std::to_string(g_remote_rank)}, {"cause", cause}}));
   ++g_token;
   g_cause = cause;
+  g_cause_kind = kind;
   for (auto& layer : live_layers_locked()) {
     std::map<Key, std::shared_ptr<Meeting>> meetings;
     meetings.swap(layer->meetings);

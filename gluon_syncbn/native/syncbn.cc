@@ -167,6 +167,43 @@ int gsbn_fence(const int64_t* layers, const int* devices, int num, NDArrayHandle
   return push_ordering([]() {}, vars, "gluon_syncbn_fence");
 }
 
+// An empty slice `x` is issued to a layer: MXNet's layers before it may
+// have refused it (its convolutions fail on size-0 arrays), and the engine
+// then skips this device's calls, which the other devices would wait for
+// until the timeout. Two engine operations tell: the first runs only if `x`
+// was computed (it writes a variable of its own), the second runs anyway
+// (kNoSkip) after it and, if the first did not run, aborts the step with
+// `why` while it is still the step `x` was issued in. 0 on success.
+int gsbn_watch_slice(NDArrayHandle x, const char* why) {
+  uint64_t token;
+  {
+    std::lock_guard<std::mutex> lock(g_mutex);
+    if (g_issue_token != g_token) return 0;  // a failed step's call: refused anyway
+    token = g_token;
+  }
+  auto computed = std::make_shared<std::atomic<bool>>(false);
+  mxnet::Engine::VarHandle seen = new_engine_variable(), input = array_variable(x);
+  int ctx[2] = {1, 0};  // mxnet::Context{kCPU, 0}
+  const int anyway = static_cast<int>(mxnet::FnProperty::kNoSkip);
+  int failed = MXEnginePushSync(run_pushed, new Pushed{[computed]() { *computed = true; }},
+                                delete_pushed, ctx, &input, 1, &seen, 1, nullptr, 0,
+                                "gluon_syncbn_slice_computed");
+  if (!failed) {
+    const std::string cause = why;
+    failed = MXEnginePushSync(run_pushed, new Pushed{[computed, token, cause]() {
+      if (*computed) return;
+      {
+        std::lock_guard<std::mutex> lock(g_mutex);
+        if (g_token != token) return;
+        abort_locked(cause);
+      }
+      run_pending();
+    }}, delete_pushed, ctx, &seen, 1, nullptr, 0, &anyway, 0, "gluon_syncbn_slice_check");
+  }
+  delete_engine_variable(seen);
+  return failed;
+}
+
 // The user changed the eps or momentum of layer `handle`: its calls issued from
 // now on use these (one engine operation on its engine variables, so ordered
 // after the calls issued before on every device and before those issued
@@ -244,6 +281,14 @@ uint64_t gsbn_step(int begin) {
     g_remote_in_step = false;
   }
   return g_token;
+}
+
+// Why the current step failed, as failure_text has it ("SyncBatchNormTimeout:
+// ..."), copied into `text`; "" while it has not. Returns its length.
+int gsbn_step_failure(char* text, int text_size) {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  return copy_out(g_token == g_issue_token ? "" : failure_text(g_cause, g_cause_kind), text,
+                  text_size);
 }
 
 // Aborts the step; `exiting`: at interpreter exit, which is never fatal.
