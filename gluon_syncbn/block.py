@@ -239,6 +239,8 @@ class SyncBatchNorm(nn.BatchNorm):
                 backend.contexts = contexts
             elif backend is None or backend.contexts is not contexts:
                 check_cpu_contexts(self.name, devices)
+                if sum(d.startswith('cpu') for d in devices) > 1:
+                    SESSION.separate_cpu_temp_space()
                 backend = self._sync_backend = make_backend(self, devices, self._transport)
         return backend
 

@@ -12,7 +12,7 @@ import weakref
 from . import messages
 from . import native
 from .errors import (SyncBatchNormError, SyncBatchNormTimeout, add_failure_source,
-                     record_failure)
+                     record_failure, warn_user)
 
 __all__ = ['SESSION', 'SETUP_LOCK', 'reset']
 
@@ -22,6 +22,10 @@ __all__ = ['SESSION', 'SETUP_LOCK', 'reset']
 # comes first does it; the others wait, then find it done. Reentrant: making
 # a backend loads the library.
 SETUP_LOCK = threading.RLock()
+
+# Temp-space slots of each CPU context's own pool (MXNet's default for its
+# one shared pool, MXNET_CPU_TEMP_COPY, is 4).
+CPU_TEMP_SLOTS = 4
 
 
 class Session(object):
@@ -55,6 +59,12 @@ class Session(object):
         self._clear_lock = threading.Lock()
         self._issue_token = 0
         self._dtypes_lock = threading.Lock()
+        # Temp space of its own for each CPU context (native cpu_resources.h):
+        # '' once a layer synchronizes CPU contexts with it, else why not
+        # (None: not asked yet); each Python thread's resource manager is
+        # separated once (MXNet keeps one per thread).
+        self.cpu_temp_space = None
+        self._thread = threading.local()
 
     def load_native(self):
         """The native library, built and loaded at the first layer's first
@@ -75,6 +85,37 @@ class Session(object):
                     self._issue_token = lib.token(begin=True)
                     self.native = lib  # last: the token lives there from now on
         return self.native
+
+    def separate_cpu_temp_space(self):
+        """Give each CPU context a temp-space pool of its own, in this
+        thread's and, from now on, in every thread that issues a step
+        (:meth:`separate_this_thread`); at the first synchronized call on
+        several CPU contexts. '' on success, else why not."""
+        if self.cpu_temp_space is None:
+            with SETUP_LOCK:
+                if self.cpu_temp_space is None:
+                    lib = self.load_native()
+                    if lib is None:
+                        why = 'the native library is not available'
+                    else:
+                        why = lib.separate_cpu_temp_space(CPU_TEMP_SLOTS)
+                        self._thread.separated = not why
+                        if why:
+                            warn_user('gluon_syncbn: CPU contexts keep sharing MXNet\'s '
+                                      'temp space (%s); static_shape graphs may stall '
+                                      'after some steps: hybridize without static_shape '
+                                      'on CPU contexts.' % why)
+                    self.cpu_temp_space = why
+        else:
+            self.separate_this_thread()
+        return self.cpu_temp_space
+
+    def separate_this_thread(self):
+        """This thread's MXNet resource manager too, once the CPU contexts'
+        temp space is separated (MXNet keeps one per thread)."""
+        if self.cpu_temp_space == '' and not getattr(self._thread, 'separated', False):
+            self._thread.separated = True
+            self.native.separate_cpu_temp_space(CPU_TEMP_SLOTS)
 
     def add(self, backend):
         """Fail and clean up ``backend``'s calls with every other layer's."""
@@ -137,6 +178,7 @@ class Session(object):
         """A training step begins: calls issued from now on belong to it.
         Called by every thread that enters ``record()``, so once or once per
         device per step."""
+        self.separate_this_thread()
         self._issue_token = (self.native.token(begin=True) if self.native is not None
                              else self._token)
 

@@ -41,6 +41,8 @@ class Library(object):
                 ('gsbn_settle', [c.c_int64], None),
                 ('gsbn_fence', [c.POINTER(c.c_int64), c.POINTER(c.c_int), c.c_int,
                                 c.POINTER(c.c_void_p), c.c_int], c.c_int),
+                ('gsbn_separate_cpu_temp_space', [c.c_int, c.c_char_p, c.c_int], c.c_int),
+                ('gsbn_cpu_temp_slots', [c.c_int], c.c_int),
                 ('gsbn_tally', [c.c_int64, c.c_int], None),
                 ('gsbn_tally_read', [c.c_int64, c.c_int, c.POINTER(c.c_double),
                                      c.POINTER(c.c_double), c.POINTER(c.c_double), c.c_int],
@@ -100,6 +102,19 @@ class Library(object):
         """Wait for ``layer``'s calls issued so far and clear the error a failed
         one left on their arrays."""
         self._lib.gsbn_settle(layer)
+
+    def separate_cpu_temp_space(self, slots):
+        """Give the calling thread's MXNet resource manager a temp-space pool
+        of ``slots`` slots per CPU context (``cpu_resources.h``); '' on
+        success, else why not (nothing changed)."""
+        why = ctypes.create_string_buffer(1024)
+        if self._lib.gsbn_separate_cpu_temp_space(int(slots), why, len(why)) == 0:
+            return ''
+        return why.value.decode('utf-8', 'replace')
+
+    def cpu_temp_slots(self, dev_id):
+        """How many temp-space slots CPU context ``dev_id`` has of its own (0: none yet)."""
+        return self._lib.gsbn_cpu_temp_slots(int(dev_id))
 
     def tally(self, layer, on):
         """Start (``on``: every device's tally emptied) or stop ``layer``'s tally."""

@@ -15,6 +15,9 @@
 //     after NodeAttrs::dict sit 8 bytes earlier in libmxnet. Nodes are made
 //     by libmxnet (NNSymbolCreateAtomicSymbol) and wired through NodeLayout;
 //     NodeAttrs::dict is only iterated (its leading fields agree).
+// cpu_resources.h relies on two more: the resource manager's virtual table
+// (checked entry by entry with dladdr before it is changed) and the layout
+// of resource.cc's SpaceAllocator, which libmxnet's get_space_internal grows.
 // gluon_syncbn/selftest.py checks these facts in a subprocess before the
 // library registers either operator; where it fails, a layer in one process
 // runs the Python operator, and one across processes raises.

@@ -1,0 +1,177 @@
+// Temp space of its own for each CPU context, as each GPU has.
+//
+// MXNet 1.9.1's resource manager (src/resource.cc) gives every CPU context
+// one pool of temp-space slots: Request() ignores the context's id for CPU
+// (resource.cc 129-135) and hands the slots out round-robin (GetNext,
+// 283-292); an operation that holds one writes its engine variable, so it
+// runs after every operation issued earlier on that slot. A static_shape
+// graph takes one slot per context at its first call and keeps it for its
+// life (attach_op_resource_pass.cc 45-73, called from cached_op.cc 486), so
+// every other operation's slot sweeps over it once per turn of the pool:
+// sooner or later device 1's operation before a SyncBatchNorm call lands on
+// the slot of device 0's graph, which waits in that call for device 1, and
+// both wait for ever. No number of slots prevents it; more slots only make
+// it come later.
+//
+// This file gives each CPU context's temp-space requests a pool of its own,
+// as MXNet does for GPUs (resource.cc 145-148): an operation of device 0
+// then never waits for a slot device 1's work holds, whatever the graphs
+// keep. It replaces, in the calling thread's resource manager (MXNet keeps
+// one per thread, resource.cc 455-458), the virtual function Request with
+// one that answers temp-space requests for cpu(i) from pool i and forwards
+// every other request (random numbers, GPUs, pinned memory) to MXNet's. The
+// slots are MXNet's own kind: a Resource whose ptr_ is laid out as
+// resource.cc's SpaceAllocator, which Resource::get_space_internal (in
+// libmxnet) grows on demand. Nothing is replaced unless the resource
+// manager's virtual table is the one this file expects (each entry named
+// by dladdr), so a different build is refused, not corrupted.
+#pragma once
+#include "mxnet_abi.h"
+
+#include <dlfcn.h>
+#include <mxnet/resource.h>
+#include <mxnet/storage.h>
+
+#include <atomic>
+#include <cstring>
+#include <mutex>
+#include <string>
+#include <vector>
+
+namespace {
+
+// resource.cc's SpaceAllocator, as libmxnet's get_space_internal and
+// get_host_space_internal read and grow it.
+struct SpaceAllocatorLayout {
+  mxnet::Context ctx;
+  mxnet::Storage::Handle handle;
+  mxnet::Storage::Handle host_handle;
+};
+
+// One CPU context's temp-space slots, handed out round-robin. Kept for the
+// process's life (operations may hold a slot until the engine stops).
+struct ContextTempSpace {
+  std::vector<mxnet::Resource> slots;
+  std::atomic<size_t> next{0};
+
+  explicit ContextTempSpace(int count) {
+    for (int i = 0; i < count; ++i) {
+      auto* space = new SpaceAllocatorLayout();
+      space->ctx = mxnet::Context::CPU();  // what MXNet's own CPU slots allocate with
+      space->handle.dptr = space->host_handle.dptr = nullptr;
+      space->handle.size = space->host_handle.size = 0;
+      mxnet::Resource r;
+      r.req = mxnet::ResourceRequest(mxnet::ResourceRequest::kTempSpace);
+      r.var = mxnet::Engine::Get()->NewVariable();
+      r.id = i;
+      r.ptr_ = space;
+      slots.push_back(r);
+    }
+  }
+
+  mxnet::Resource take() { return slots[next.fetch_add(1) % slots.size()]; }
+};
+
+const int kMaxCpuContexts = 1024;
+
+typedef mxnet::Resource (*RequestFunction)(mxnet::ResourceManager*, mxnet::Context,
+                                           const mxnet::ResourceRequest&);
+
+struct CpuTempSpaces {
+  std::mutex mutex;
+  int slots_per_context = 0;
+  std::atomic<ContextTempSpace*> pools[kMaxCpuContexts];
+  void** original = nullptr;  // MXNet's virtual table (its address point)
+  void** replaced = nullptr;  // ours: MXNet's with Request replaced
+  RequestFunction request = nullptr;  // MXNet's Request
+
+  CpuTempSpaces() {
+    for (auto& p : pools) p.store(nullptr);
+  }
+
+  ContextTempSpace* pool(int dev_id) {
+    ContextTempSpace* p = pools[dev_id].load();
+    if (p != nullptr) return p;
+    std::lock_guard<std::mutex> lock(mutex);
+    p = pools[dev_id].load();
+    if (p == nullptr) {
+      p = new ContextTempSpace(slots_per_context);
+      pools[dev_id].store(p);
+    }
+    return p;
+  }
+};
+
+CpuTempSpaces& cpu_temp_spaces() {
+  static CpuTempSpaces& spaces = *new CpuTempSpaces();  // never destroyed: used until exit
+  return spaces;
+}
+
+// The Request of a separated resource manager.
+mxnet::Resource request_per_context(mxnet::ResourceManager* self, mxnet::Context ctx,
+                                    const mxnet::ResourceRequest& req) {
+  CpuTempSpaces& s = cpu_temp_spaces();
+  if (req.type == mxnet::ResourceRequest::kTempSpace && ctx.dev_type == mxnet::Context::kCPU &&
+      ctx.dev_id >= 0 && ctx.dev_id < kMaxCpuContexts)
+    return s.pool(ctx.dev_id)->take();
+  return s.request(self, ctx, req);
+}
+
+// The mangled name of the function at `address`, or "".
+std::string symbol_at(void* address) {
+  Dl_info info;
+  if (address == nullptr || dladdr(address, &info) == 0 || info.dli_sname == nullptr) return "";
+  return info.dli_sname;
+}
+
+// ResourceManager's virtual functions, in declaration order
+// (include/mxnet/resource.h): Request, SeedRandom(uint32_t),
+// SeedRandom(Context, uint32_t), then the destructor's two entries.
+const char* const kResourceManagerVirtuals[] = {
+    "_ZN5mxnet8resource19ResourceManagerImpl7RequestENS_7ContextERKNS_15ResourceRequestE",
+    "_ZN5mxnet8resource19ResourceManagerImpl10SeedRandomEj",
+    "_ZN5mxnet8resource19ResourceManagerImpl10SeedRandomENS_7ContextEj",
+};
+const int kVirtualTableWords = 2 + 5;  // offset to top, type info, five entries
+
+// Gives the calling thread's resource manager a temp-space pool per CPU
+// context, `slots` slots each (the first call fixes the number). Returns ""
+// on success (also when this thread's was separated already), else why not
+// (nothing changed).
+std::string separate_cpu_temp_space(int slots) {
+  CpuTempSpaces& s = cpu_temp_spaces();
+  mxnet::ResourceManager* manager = mxnet::ResourceManager::Get();
+  void*** vptr = reinterpret_cast<void***>(manager);
+  std::lock_guard<std::mutex> lock(s.mutex);
+  if (*vptr == s.replaced) return "";
+  if (s.original == nullptr) {
+    void** table = *vptr;
+    for (int i = 0; i < 3; ++i) {
+      const std::string found = symbol_at(table[i]);
+      if (found != kResourceManagerVirtuals[i])
+        return "MXNet's resource manager is not the one this library knows (virtual function " +
+               std::to_string(i) + " is '" + found + "', expected '" +
+               kResourceManagerVirtuals[i] + "')";
+    }
+    void** copy = new void*[kVirtualTableWords];
+    std::memcpy(copy, table - 2, kVirtualTableWords * sizeof(void*));
+    copy[2] = reinterpret_cast<void*>(&request_per_context);
+    s.request = reinterpret_cast<RequestFunction>(table[0]);
+    s.original = table;
+    s.replaced = copy + 2;
+    s.slots_per_context = slots > 0 ? slots : 4;
+  } else if (*vptr != s.original) {
+    return "this thread's resource manager has an unknown virtual table";
+  }
+  *vptr = s.replaced;
+  return "";
+}
+
+// The temp-space slots of CPU context `dev_id` so far (0: none made yet), for tests.
+int cpu_temp_slots(int dev_id) {
+  if (dev_id < 0 || dev_id >= kMaxCpuContexts) return 0;
+  ContextTempSpace* p = cpu_temp_spaces().pools[dev_id].load();
+  return p ? static_cast<int>(p->slots.size()) : 0;
+}
+
+}  // namespace
