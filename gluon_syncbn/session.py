@@ -65,6 +65,7 @@ class Session(object):
         # separated once (MXNet keeps one per thread).
         self.cpu_temp_space = None
         self._thread = threading.local()
+        self._temp_space_token = None  # the step the CPU contexts' temp space is for
 
     def load_native(self):
         """The native library, built and loaded at the first layer's first
@@ -100,6 +101,7 @@ class Session(object):
                     else:
                         why = lib.separate_cpu_temp_space(CPU_TEMP_SLOTS)
                         self._thread.separated = not why
+                        self._temp_space_token = self._issue_token
                         if why:
                             warn_user('gluon_syncbn: CPU contexts keep sharing MXNet\'s '
                                       'temp space (%s); static_shape graphs may stall '
@@ -181,6 +183,12 @@ class Session(object):
         self.separate_this_thread()
         self._issue_token = (self.native.token(begin=True) if self.native is not None
                              else self._token)
+        if self.cpu_temp_space == '' and self._temp_space_token != self._issue_token:
+            # A step failed since the last began: its operations' errors sit
+            # on the CPU contexts' temp-space slots until the clearing
+            # (clear_failed_arrays); this step's operations take fresh ones.
+            self._temp_space_token = self._issue_token
+            self.native.retire_cpu_temp_space()
 
     def cause(self):
         return self.native.cause() if self.native is not None else self._cause
@@ -248,6 +256,8 @@ class Session(object):
             drain()
             for backend in self.live_backends():
                 backend.clear_failed_state()
+            if self.cpu_temp_space == '':
+                self.native.recycle_cpu_temp_space()  # the drain cleared their errors
             self._cleared_token = step
 
     def fail_step(self, cause=None, exiting=False):

@@ -48,13 +48,14 @@ struct SpaceAllocatorLayout {
   mxnet::Storage::Handle host_handle;
 };
 
-// One CPU context's temp-space slots, handed out round-robin. Kept for the
-// process's life (operations may hold a slot until the engine stops).
-struct ContextTempSpace {
+// One set of temp-space slots. Kept for the process's life (an operation
+// may hold a slot until the engine stops; a request racing with a retire
+// may still read a set that was retired).
+struct SlotSet {
   std::vector<mxnet::Resource> slots;
   std::atomic<size_t> next{0};
 
-  explicit ContextTempSpace(int count) {
+  explicit SlotSet(int count) {
     for (int i = 0; i < count; ++i) {
       auto* space = new SpaceAllocatorLayout();
       space->ctx = mxnet::Context::CPU();  // what MXNet's own CPU slots allocate with
@@ -70,6 +71,13 @@ struct ContextTempSpace {
   }
 
   mxnet::Resource take() { return slots[next.fetch_add(1) % slots.size()]; }
+};
+
+// One CPU context's temp space: the set it hands out now, round-robin.
+struct ContextTempSpace {
+  std::atomic<SlotSet*> current;
+  std::vector<SlotSet*> retired, spare;  // under CpuTempSpaces::mutex
+  explicit ContextTempSpace(SlotSet* set) : current(set) {}
 };
 
 const int kMaxCpuContexts = 1024;
@@ -95,7 +103,7 @@ struct CpuTempSpaces {
     std::lock_guard<std::mutex> lock(mutex);
     p = pools[dev_id].load();
     if (p == nullptr) {
-      p = new ContextTempSpace(slots_per_context);
+      p = new ContextTempSpace(new SlotSet(slots_per_context));
       pools[dev_id].store(p);
     }
     return p;
@@ -107,13 +115,53 @@ CpuTempSpaces& cpu_temp_spaces() {
   return spaces;
 }
 
+// After an abort: every CPU context hands out a set no operation of the
+// failed step holds. A failed (or skipped) operation leaves its error on
+// every engine variable it writes, its temp-space slot's included, and MXNet
+// skips every later operation on that slot with that error until the error
+// is cleared (threaded_engine.h OnStart 472-487; the next step's first
+// synchronized call clears them all, Session.clear_failed_arrays). With a few
+// slots per context the next step's first operations, issued before that,
+// would land on them, be skipped, and read back as garbage once the error
+// was cleared; MXNet's one pool of hundreds of slots only made that rare.
+void retire_cpu_temp_space() {
+  CpuTempSpaces& s = cpu_temp_spaces();
+  std::lock_guard<std::mutex> lock(s.mutex);
+  for (auto& entry : s.pools) {
+    ContextTempSpace* p = entry.load();
+    if (p == nullptr) continue;
+    SlotSet* fresh;
+    if (p->spare.empty()) {
+      fresh = new SlotSet(s.slots_per_context);
+    } else {
+      fresh = p->spare.back();
+      p->spare.pop_back();
+    }
+    p->retired.push_back(p->current.exchange(fresh));
+  }
+}
+
+// Once the engine has been drained and the errors cleared (after an
+// abort, Session.clear_failed_arrays): the retired sets are clean and idle,
+// kept for the next retire.
+void recycle_cpu_temp_space() {
+  CpuTempSpaces& s = cpu_temp_spaces();
+  std::lock_guard<std::mutex> lock(s.mutex);
+  for (auto& entry : s.pools) {
+    ContextTempSpace* p = entry.load();
+    if (p == nullptr) continue;
+    p->spare.insert(p->spare.end(), p->retired.begin(), p->retired.end());
+    p->retired.clear();
+  }
+}
+
 // The Request of a separated resource manager.
 mxnet::Resource request_per_context(mxnet::ResourceManager* self, mxnet::Context ctx,
                                     const mxnet::ResourceRequest& req) {
   CpuTempSpaces& s = cpu_temp_spaces();
   if (req.type == mxnet::ResourceRequest::kTempSpace && ctx.dev_type == mxnet::Context::kCPU &&
       ctx.dev_id >= 0 && ctx.dev_id < kMaxCpuContexts)
-    return s.pool(ctx.dev_id)->take();
+    return s.pool(ctx.dev_id)->current.load()->take();
   return s.request(self, ctx, req);
 }
 
@@ -171,7 +219,7 @@ std::string separate_cpu_temp_space(int slots) {
 int cpu_temp_slots(int dev_id) {
   if (dev_id < 0 || dev_id >= kMaxCpuContexts) return 0;
   ContextTempSpace* p = cpu_temp_spaces().pools[dev_id].load();
-  return p ? static_cast<int>(p->slots.size()) : 0;
+  return p ? static_cast<int>(p->current.load()->slots.size()) : 0;
 }
 
 }  // namespace

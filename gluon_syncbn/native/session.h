@@ -212,6 +212,8 @@ void fatal_locked(const std::string& cause) {
 // this worker's sums leave it, except at interpreter exit. Every meeting
 // goes: a call of the aborted step that arrives later is refused by its
 // token (meet_async), so none of them can be joined again.
+void retire_cpu_temp_space();  // cpu_resources.h
+
 void abort_locked(const std::string& cause, const std::string& kind = "SyncBatchNormError",
                   bool exiting = false) {
   if (!exiting && g_remote_rank >= 0)
@@ -219,6 +221,7 @@ void abort_locked(const std::string& cause, const std::string& kind = "SyncBatch
                          {{"rank", std::to_string(g_remote_rank)}, {"cause", cause}}));
   ++g_token;
   g_cause = cause;
+  retire_cpu_temp_space();  // what runs from now on takes slots the failed step's do not poison
   for (auto& g : live_layers_locked()) {
     std::map<Key, std::shared_ptr<Meeting>> meetings;
     meetings.swap(g->meetings);

@@ -183,6 +183,14 @@ int gsbn_separate_cpu_temp_space(int slots, char* why, int why_size) {
   return error.empty() ? 0 : 1;
 }
 
+// After an abort, before the next step's operations: fresh temp-space
+// slots for every CPU context (`recycle`: 0); once the engine was drained
+// and the errors cleared, the retired ones are kept for reuse (`recycle`: 1).
+void gsbn_cpu_temp_space_after_abort(int recycle) {
+  if (recycle) recycle_cpu_temp_space();
+  else retire_cpu_temp_space();
+}
+
 // The temp-space slots CPU context `dev_id` has of its own (0: none yet).
 int gsbn_cpu_temp_slots(int dev_id) { return cpu_temp_slots(dev_id); }
 
