@@ -256,6 +256,8 @@ class SyncBatchNorm(nn.BatchNorm):
             elif backend is None or backend.contexts is not contexts:
                 check_cpu_contexts(self.name, devices)
                 backend = self._sync_backend = make_backend(self, devices, self._transport)
+                if sum(d.startswith('cpu') for d in devices) > 1:
+                    SESSION.separate_cpu_temp_space()  # after the self-test, which checks it
         return backend
 
     def _check_input(self, x):

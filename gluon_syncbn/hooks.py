@@ -393,6 +393,7 @@ def install_cached_op_hook(hybrid_block_class, session, is_training):
             raise ours from exc
 
     def _run_cached_op(self, args):
+        session.separate_this_thread()
         training = bool(is_training())
         _use_graph_for_mode(self, args, training)
         session.clear_failed_arrays()
@@ -521,6 +522,7 @@ def install_grad_hooks(autograd_module, ndarray_class, session):
 
     def translated(function, heads_of):
         def call(*args, **kwargs):
+            session.separate_this_thread()
             try:
                 return function(*args, **kwargs)
             except mx.base.MXNetError as exc:

@@ -4,9 +4,10 @@ gluon_syncbn.selftest async``) or the exchange operator (``... exchange``) work 
 build? Both rely on libmxnet's C++ ABI (see ``mxnet_abi.h``); a build whose
 ABI differs crashes here, not in the user's process. The asynchronous
 operator: one CPU context's forward and backward, imperative and in a static
-graph. The exchange operator: the GPU path's layer as users run it, on two
-GPUs where there are, else on two CPU contexts down the GPU path, one
-uneven step imperative and in a static graph. Both against NumPy; prints
+graph, and a CPU context's temp space of its own. The exchange operator: the
+GPU path's layer as users run it, on two GPUs where there are, else on two
+CPU contexts down the GPU path, one uneven step imperative and in a static
+graph. Both against NumPy; prints
 ``ok`` and exits 0 if right, and exits ``native.FAILED_EXIT`` with the reason
 if not (a verdict the caller keeps, as it keeps a crash)."""
 import os
@@ -84,6 +85,22 @@ def check_async(lib, x, w, gamma, beta, eps, expected):
         compare('the asynchronous operator', hybridize,
                 [y] + [a.grad for a in arrays] + running, expected)
     lib.remove_layer(handle)
+    check_cpu_temp_space(lib, x)
+
+
+def check_cpu_temp_space(lib, x):
+    """A CPU context's temp space of its own (``cpu_resources.h``), as a
+    layer on several CPU contexts gets it: a reduction that takes temp
+    space, answered from cpu(1)'s pool, against NumPy."""
+    why = lib.separate_cpu_temp_space(4)
+    if why:
+        return  # the layer then keeps MXNet's shared pool, and says so
+    for _ in range(6):  # more than the pool's slots: every slot handed out and reused
+        got = mx.nd.sum(mx.nd.array(x, ctx=mx.cpu(1), dtype='float64'), axis=(0, 2))
+        if not np.allclose(got.asnumpy(), x.sum(axis=(0, 2)), rtol=1e-12, atol=0):
+            fail('wrong results with a temp-space pool per CPU context')
+    if lib.cpu_temp_slots(1) != 4:
+        fail('the temp-space pool per CPU context was not used')
 
 
 def check_exchange(x, w, gamma, beta, eps, expected):

@@ -12,7 +12,7 @@ import weakref
 
 from . import messages
 from . import native
-from .errors import SyncBatchNormError, SyncBatchNormTimeout
+from .errors import SyncBatchNormError, SyncBatchNormTimeout, warn_user
 
 __all__ = ['SESSION', 'SETUP_LOCK', 'reset']
 
@@ -22,6 +22,10 @@ __all__ = ['SESSION', 'SETUP_LOCK', 'reset']
 # comes first does it; the others wait, then find it done. Reentrant: making
 # a backend loads the library.
 SETUP_LOCK = threading.RLock()
+
+# Temp-space slots of each CPU context's own pool (MXNet's default for its
+# one shared pool, MXNET_CPU_TEMP_COPY, is 4).
+CPU_TEMP_SLOTS = 4
 
 
 class Session(object):
@@ -52,6 +56,13 @@ class Session(object):
         self._dtypes_lock = threading.Lock()
         self._inside = set()  # the threads recording or training now (thread_in_step)
         self._threads_lock = threading.Lock()
+        # Temp space of its own for each CPU context (native cpu_resources.h):
+        # '' once a layer synchronizes CPU contexts with it, else why not
+        # (None: not asked yet); each Python thread's resource manager is
+        # separated once (MXNet keeps one per thread).
+        self.cpu_temp_space = None
+        self._thread = threading.local()
+        self._temp_space_token = None  # the step the CPU contexts' temp space is for
 
     def load_native(self):
         """The native library, built and loaded at the first layer's first
@@ -67,6 +78,32 @@ class Session(object):
                     self._issue_token = lib.token(begin=True)
                     self.native = lib  # last: the token lives there from now on
         return self.native
+
+    def separate_cpu_temp_space(self):
+        """Give each CPU context a temp-space pool of its own, in this
+        thread's and, from now on, in every thread that issues a step
+        (:meth:`separate_this_thread`); at the first synchronized call on
+        several CPU contexts, once the native library is loaded."""
+        if self.cpu_temp_space is None:
+            with SETUP_LOCK:
+                if self.cpu_temp_space is None:
+                    why = self.native.separate_cpu_temp_space(CPU_TEMP_SLOTS)
+                    self._thread.separated = not why
+                    self._temp_space_token = self._issue_token
+                    if why:
+                        warn_user('gluon_syncbn: CPU contexts keep sharing MXNet\'s temp space '
+                                  '(%s); static_shape graphs may stall after some steps: '
+                                  'hybridize without static_shape on CPU contexts.' % why)
+                    self.cpu_temp_space = why
+        else:
+            self.separate_this_thread()
+
+    def separate_this_thread(self):
+        """This thread's MXNet resource manager too, once the CPU contexts'
+        temp space is separated (MXNet keeps one per thread)."""
+        if self.cpu_temp_space == '' and not getattr(self._thread, 'separated', False):
+            self._thread.separated = True
+            self.native.separate_cpu_temp_space(CPU_TEMP_SLOTS)
 
     def add(self, backend):
         """Clean up after a failed step ``backend``'s arrays with every other
@@ -118,9 +155,17 @@ class Session(object):
         raise exc
 
     def restart(self):
-        """Calls issued from now on belong to a new step (``reset()``)."""
-        if self.native is not None:
-            self._issue_token = self.native.token(begin=True)
+        """Calls issued from now on belong to a new step (a step begins,
+        ``reset()``)."""
+        if self.native is None:
+            return
+        self._issue_token = self.native.token(begin=True)
+        if self.cpu_temp_space == '' and self._temp_space_token != self._issue_token:
+            # A step failed since the last began: its operations' errors sit
+            # on the CPU contexts' temp-space slots until the clearing
+            # (clear_failed_arrays); this step's operations take fresh ones.
+            self._temp_space_token = self._issue_token
+            self.native.retire_cpu_temp_space()
 
     def thread_in_step(self, inside):
         """This thread starts (``inside``) or stops recording or training
@@ -133,6 +178,8 @@ class Session(object):
         its threads failed it meanwhile: its calls then fail at once instead
         of waiting for the failed thread's device."""
         me = threading.get_ident()
+        if inside:
+            self.separate_this_thread()  # it issues operations from now on
         with self._threads_lock:
             if not inside:
                 self._inside.discard(me)
@@ -184,6 +231,8 @@ class Session(object):
             drain()
             for backend in self.live_backends():
                 backend.clear_failed_state()
+            if self.cpu_temp_space == '':
+                self.native.recycle_cpu_temp_space()  # the drain cleared their errors
             self._cleared_token = step
 
     def failure_behind(self, exc):

@@ -54,7 +54,10 @@ def test_bad_environment_variable_names_itself():
 @pytest.fixture
 def fresh_engine(monkeypatch):
     for name in SLOT_VARIABLES:
-        monkeypatch.delenv(name, raising=False)
+        # Set first, so that the values configure writes are undone afterwards:
+        # monkeypatch restores only what it has seen.
+        monkeypatch.setenv(name, '')
+        monkeypatch.delenv(name)
     monkeypatch.setattr(engine, '_configured_contexts', [0])
     # Earlier tests in this process made MXNet's resources, after which a
     # configure that raises a setting is refused; these tests are about the
@@ -201,3 +204,63 @@ def test_import_costs_nothing_to_one_context_training():
     assert res['with'][0]['imported'] and not res['without'][0]['imported']
     assert res['rss_ratio'] < 1.2, res
     assert res['time_ratio'] < 1.5, res
+
+
+STATIC_TRAINING = '''
+import os, time, gluon_syncbn, mxnet as mx, numpy as np
+from mxnet import autograd, gluon
+from gluon_syncbn.session import SESSION
+gluon_syncbn.configure_cpu_contexts({n}, temp_slots={temp_slots})
+ctxs = [mx.cpu(i) for i in range({n})]
+net = gluon.nn.HybridSequential()
+for channels in (8, 16):
+    net.add(gluon.nn.Conv2D(channels, 3, padding=1, use_bias=False),
+            gluon_syncbn.SyncBatchNorm(timeout=20), gluon.nn.Activation('relu'))
+net.add(gluon.nn.GlobalAvgPool2D(), gluon.nn.Dense(10))
+net.initialize(ctx=ctxs)
+net.hybridize(static_alloc=True, static_shape=True)
+trainer = gluon.Trainer(net.collect_params(), 'sgd', {{'learning_rate': 0.05}})
+loss_fn = gluon.loss.SoftmaxCrossEntropyLoss()
+rng = np.random.RandomState(0)
+step = -1
+try:
+    for step in range({steps}):
+        xs = gluon.utils.split_and_load(mx.nd.array(rng.randn(2 * {n}, 3, 8, 8)), ctxs)
+        ys = gluon.utils.split_and_load(mx.nd.array(rng.randint(0, 10, 2 * {n})), ctxs)
+        with autograd.record():
+            losses = [loss_fn(net(x), y) for x, y in zip(xs, ys)]
+        autograd.backward(losses)
+        trainer.step(2 * {n})
+        [l.asnumpy() for l in losses]
+    print('TRAINED', step + 1, repr(SESSION.cpu_temp_space),
+          [SESSION.native.cpu_temp_slots(i) for i in range({n})])
+except mx.base.MXNetError as exc:
+    print('STALLED AT STEP', step, str(exc).splitlines()[0][:300])
+'''
+
+
+@pytest.mark.parametrize('n', [2, 4])
+def test_static_graphs_outlast_every_turn_of_the_shared_pool(n):
+    # A static_shape graph keeps one temp-space slot per device for its life.
+    # With MXNet's one pool for every CPU context, the other operators'
+    # slots (14 per step here at N = 2) swept over it once per turn of the
+    # 64 slots and device 1's first convolution landed on device 0's graph
+    # slot within a few steps: a deadlock at the timeout, again every turn.
+    # Each CPU context now has a pool of its own.
+    out, _ = python(STATIC_TRAINING.format(n=n, temp_slots=64, steps=40), timeout=240)
+    assert 'TRAINED 40' in out.stdout, out.stdout + out.stderr[-2000:]
+    assert "TRAINED 40 '' %s" % ([4] * n) in out.stdout, out.stdout
+
+
+def test_one_context_keeps_mxnets_shared_temp_space():
+    out, _ = python(
+        'import gluon_syncbn, mxnet as mx\n'
+        'from mxnet import autograd\n'
+        'from gluon_syncbn.session import SESSION\n'
+        'net = gluon_syncbn.SyncBatchNorm(in_channels=4)\n'
+        'net.initialize(ctx=mx.cpu(0))\n'
+        'with autograd.record():\n'
+        '    y = net(mx.nd.ones((2, 4, 3, 3)))\n'
+        'y.backward(); mx.nd.waitall()\n'
+        'print("SEPARATED", SESSION.cpu_temp_space)\n')
+    assert 'SEPARATED None' in out.stdout, out.stdout + out.stderr[-2000:]

@@ -360,12 +360,16 @@ def _selftest(path, part):
 def run_selftest(part):
     """``(verdict, definite)``: the outcome of ``selftest.py <part>`` in a
     subprocess, and whether it is a verdict on the build."""
+    # From the directory that holds this package, which `-m` then imports:
+    # from the caller's, another checkout there would be tested instead.
+    package_parent = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, **{SELFTEST_VARIABLE: '1'})
+    if _state['path']:
+        env[SELFTEST_LIBRARY_VARIABLE] = os.path.abspath(_state['path'])
     try:
         proc = subprocess.run([sys.executable, '-m', 'gluon_syncbn.selftest', part],
-                              capture_output=True, text=True, timeout=SELFTEST_SECONDS,
-                              env=dict(os.environ, **{SELFTEST_VARIABLE: '1'},
-                                       **({SELFTEST_LIBRARY_VARIABLE: _state['path']}
-                                          if _state['path'] else {})))
+                              cwd=package_parent, env=env, capture_output=True, text=True,
+                              timeout=SELFTEST_SECONDS)
     except subprocess.TimeoutExpired:
         return 'it took more than %gs%s' % (SELFTEST_SECONDS, RETRIED % SELFTEST_SECONDS), False
     output = (proc.stderr or proc.stdout)[-500:]

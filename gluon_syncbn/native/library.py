@@ -44,6 +44,9 @@ class Library(object):
                 ('gsbn_fence', [c.POINTER(c.c_int64), c.POINTER(c.c_int), c.c_int,
                                 c.POINTER(c.c_void_p), c.c_int], c.c_int),
                 ('gsbn_watch_slice', [c.c_void_p, c.c_char_p], c.c_int),
+                ('gsbn_separate_cpu_temp_space', [c.c_int, c.c_char_p, c.c_int], c.c_int),
+                ('gsbn_cpu_temp_slots', [c.c_int], c.c_int),
+                ('gsbn_cpu_temp_space_after_abort', [c.c_int], None),
                 ('gsbn_tally', [c.c_int64, c.c_int], None),
                 ('gsbn_tally_read', [c.c_int64, c.c_int, c.POINTER(c.c_double),
                                      c.POINTER(c.c_double), c.POINTER(c.c_double), c.c_int],
@@ -146,6 +149,30 @@ class Library(object):
         """Wait for ``layer``'s calls issued so far and clear the error a failed
         one left on their arrays."""
         self._lib.gsbn_settle(layer)
+
+    def separate_cpu_temp_space(self, slots):
+        """Give the calling thread's MXNet resource manager a temp-space pool
+        of ``slots`` slots per CPU context (``cpu_resources.h``); '' on
+        success, else why not (nothing changed)."""
+        why = ctypes.create_string_buffer(1024)
+        if self._lib.gsbn_separate_cpu_temp_space(int(slots), why, len(why)) == 0:
+            return ''
+        return why.value.decode('utf-8', 'replace')
+
+    def retire_cpu_temp_space(self):
+        """After an abort, before the next step's operations: every CPU
+        context hands out fresh temp-space slots (a failed step's operations
+        leave their errors on theirs)."""
+        self._lib.gsbn_cpu_temp_space_after_abort(0)
+
+    def recycle_cpu_temp_space(self):
+        """Once the engine was drained after an abort: the retired slots,
+        clean now, are kept for the next abort."""
+        self._lib.gsbn_cpu_temp_space_after_abort(1)
+
+    def cpu_temp_slots(self, dev_id):
+        """How many temp-space slots CPU context ``dev_id`` has of its own (0: none yet)."""
+        return self._lib.gsbn_cpu_temp_slots(int(dev_id))
 
     def tally(self, layer, on):
         """Start (``on``: every device's tally emptied) or stop ``layer``'s tally."""

@@ -15,11 +15,18 @@
 //     after NodeAttrs::dict sit 8 bytes earlier in libmxnet. Nodes are made
 //     by libmxnet (NNSymbolCreateAtomicSymbol) and wired through NodeLayout;
 //     NodeAttrs::dict is only iterated (its leading fields agree).
+// Two more serve cpu_resources.h (temp space per CPU context): the resource
+// manager's virtual table, checked entry by entry with dladdr before one
+// entry is replaced, and the layout of resource.cc's SpaceAllocator, which
+// libmxnet's Resource::get_space_internal grows (replace_resource_request,
+// make_temp_space_slot below).
 // gluon_syncbn/selftest.py checks these facts in a subprocess before the
-// library registers either operator; where it fails, a layer that needs the
-// operator raises at its first synchronized call.
+// library registers either operator or gives CPU contexts their temp space;
+// where it fails, a layer that needs the operator raises at its first
+// synchronized call.
 #pragma once
-#include <functional>  // the standard headers MXNet's use, before the #define
+#include <cstring>  // the standard headers MXNet's use, before the #define
+#include <functional>
 #include <iostream>
 #include <map>
 #include <memory>
@@ -29,11 +36,15 @@
 #include <unordered_map>
 #include <utility>
 #include <vector>
+
+#include <dlfcn.h>
 #define private public  // Op::GetAttrMap/index_, OpMap::data_, OpStatePtr::ptr_
 #include <mxnet/base.h>
 #include <mxnet/engine.h>
 #include <mxnet/ndarray.h>
 #include <mxnet/op_attr_types.h>
+#include <mxnet/resource.h>
+#include <mxnet/storage.h>
 #include <nnvm/c_api.h>
 #include <nnvm/node.h>
 #include <nnvm/op.h>
@@ -156,6 +167,88 @@ bool settle_engine_variable(mxnet::Engine::VarHandle var) {
 // iterated only).
 template <typename F> void for_each_argument(const nnvm::NodeAttrs& attrs, F f) {
   for (const auto& kv : attrs.dict) f(kv.first, kv.second);
+}
+
+// ------------------------------------------------- the resource manager --
+// resource.cc's SpaceAllocator, as libmxnet's get_space_internal and
+// get_host_space_internal read and grow it.
+struct SpaceAllocatorLayout {
+  mxnet::Context ctx;
+  mxnet::Storage::Handle handle;
+  mxnet::Storage::Handle host_handle;
+};
+
+// A CPU temp-space slot as MXNet's own: an engine variable of its own, and
+// space libmxnet allocates at the first request and grows on demand.
+mxnet::Resource make_temp_space_slot(int id) {
+  auto* space = new SpaceAllocatorLayout();  // lives as long as the process
+  space->ctx = mxnet::Context::CPU();         // what MXNet's own CPU slots allocate with
+  space->handle.dptr = space->host_handle.dptr = nullptr;
+  space->handle.size = space->host_handle.size = 0;
+  mxnet::Resource r;
+  r.req = mxnet::ResourceRequest(mxnet::ResourceRequest::kTempSpace);
+  r.var = mxnet::Engine::Get()->NewVariable();
+  r.id = id;
+  r.ptr_ = space;
+  return r;
+}
+
+typedef mxnet::Resource (*ResourceRequestFunction)(mxnet::ResourceManager*, mxnet::Context,
+                                                   const mxnet::ResourceRequest&);
+
+// ResourceManager's virtual functions as ResourceManagerImpl's table has
+// them (include/mxnet/resource.h's order): Request, SeedRandom(uint32_t),
+// SeedRandom(Context, uint32_t), then the destructor's two entries.
+const char* const kResourceManagerVirtuals[] = {
+    "_ZN5mxnet8resource19ResourceManagerImpl7RequestENS_7ContextERKNS_15ResourceRequestE",
+    "_ZN5mxnet8resource19ResourceManagerImpl10SeedRandomEj",
+    "_ZN5mxnet8resource19ResourceManagerImpl10SeedRandomENS_7ContextEj",
+};
+const int kVirtualTableWords = 2 + 5;  // offset to top, type info, five entries
+
+// The mangled name of the function at `address`, or "".
+std::string symbol_at(void* address) {
+  Dl_info info;
+  if (address == nullptr || dladdr(address, &info) == 0 || info.dli_sname == nullptr) return "";
+  return info.dli_sname;
+}
+
+// Every thread's resource manager with Request replaced shares one copy
+// of MXNet's virtual table with that entry changed.
+struct RequestReplacement {
+  void** original = nullptr;  // MXNet's table (its address point)
+  void** replaced = nullptr;  // the copy
+  ResourceRequestFunction mxnet_request = nullptr;
+};
+
+// Replaces Request in the calling thread's resource manager (MXNet keeps
+// one per thread: resource.cc 455-458) by `request`, which may forward to
+// `r->mxnet_request`; the first call fills `r`. "" on success (also where
+// this thread's was replaced already), else why not (nothing changed): a
+// table whose entries are not the ones named above is left alone.
+std::string replace_resource_request(ResourceRequestFunction request, RequestReplacement* r) {
+  void*** vptr = reinterpret_cast<void***>(mxnet::ResourceManager::Get());
+  if (*vptr == r->replaced) return "";
+  if (r->original == nullptr) {
+    void** table = *vptr;
+    for (int i = 0; i < 3; ++i) {
+      const std::string found = symbol_at(table[i]);
+      if (found != kResourceManagerVirtuals[i])
+        return "MXNet's resource manager is not the one this library knows (virtual function " +
+               std::to_string(i) + " is '" + found + "', expected '" +
+               kResourceManagerVirtuals[i] + "')";
+    }
+    void** copy = new void*[kVirtualTableWords];  // lives as long as the process
+    std::memcpy(copy, table - 2, kVirtualTableWords * sizeof(void*));
+    copy[2] = reinterpret_cast<void*>(request);
+    r->mxnet_request = reinterpret_cast<ResourceRequestFunction>(table[0]);
+    r->original = table;
+    r->replaced = copy + 2;
+  } else if (*vptr != r->original) {
+    return "this thread's resource manager has an unknown virtual table";
+  }
+  *vptr = r->replaced;
+  return "";
 }
 
 }  // namespace

@@ -242,6 +242,8 @@ void watch_helpers(const std::shared_ptr<Transport>& t) {
   }).detach();
 }
 
+void retire_cpu_temp_space();  // cpu_resources.h
+
 // Fail every waiting meeting: the step is over (lock held). Fatal where
 // other workers wait for this one's reductions, except at interpreter exit.
 // Every meeting goes: a call of the aborted step that arrives later is
@@ -254,6 +256,7 @@ void abort_locked(const std::string& cause, const std::string& kind = kSyncBatch
   ++g_token;
   g_cause = cause;
   g_cause_kind = kind;
+  retire_cpu_temp_space();  // what runs from now on takes slots the failed step's do not poison
   for (auto& layer : live_layers_locked()) {
     std::map<Key, std::shared_ptr<Meeting>> meetings;
     meetings.swap(layer->meetings);

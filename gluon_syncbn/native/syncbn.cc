@@ -28,6 +28,8 @@
 //   arrays.h      reading and writing host arrays as the dtypes they have.
 //   params.h      the operators' string arguments.
 //   failures.h    how failed operations complete (MXNet's unlocked error list).
+//   cpu_resources.h temp space of its own for each CPU context (MXNet's
+//                 resource manager shares one pool among them).
 //   mxnet_abi.h   every reliance on libmxnet's C++ ABI.
 //
 // Reliance on MXNet 1.9.1 behaviour is listed with the Python side's in
@@ -45,6 +47,7 @@
 #include <string>
 
 #include "async_op.h"
+#include "cpu_resources.h"
 #include "exchange_op.h"
 
 // ----------------------------------------------------- interface to Python --
@@ -232,6 +235,26 @@ void gsbn_settle(int64_t handle) {
   for (size_t i = 0; i < layer->devices.size(); ++i)
     settle_engine_variable(layer_variable(layer_key(handle, static_cast<int>(i))));
 }
+
+// Gives the calling thread's MXNet resource manager a temp-space pool of
+// `slots` slots per CPU context (cpu_resources.h). 0 on success, else 1
+// with the reason in `why`.
+int gsbn_separate_cpu_temp_space(int slots, char* why, int why_size) {
+  const std::string error = separate_cpu_temp_space(slots);
+  copy_out(error, why, why_size);
+  return error.empty() ? 0 : 1;
+}
+
+// After an abort, before the next step's operations: fresh temp-space
+// slots for every CPU context (`recycle`: 0); once the engine was drained
+// and the errors cleared, the retired ones are kept for reuse (`recycle`: 1).
+void gsbn_cpu_temp_space_after_abort(int recycle) {
+  if (recycle) recycle_cpu_temp_space();
+  else retire_cpu_temp_space();
+}
+
+// The temp-space slots CPU context `dev_id` has of its own (0: none yet).
+int gsbn_cpu_temp_slots(int dev_id) { return cpu_temp_slots(dev_id); }
 
 // Starts layer `handle`'s tally (`on`: every device's emptied) or stops it.
 void gsbn_tally(int64_t handle, int on) {
