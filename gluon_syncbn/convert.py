@@ -8,12 +8,13 @@ A block that normalizes over the batch but is none of the layers known here
 """
 import json
 
+from mxnet import ndarray
 from mxnet.gluon import SymbolBlock, nn
 from mxnet.gluon.contrib import nn as contrib_nn
 from mxnet.gluon.nn.basic_layers import _BatchNorm
 from mxnet.util import is_np_array
 
-from .block import SyncBatchNorm
+from .block import SyncBatchNorm, is_sync_batchnorm
 from .errors import warn_user
 
 __all__ = ['convert_model', 'revert_model']
@@ -26,9 +27,16 @@ class _SyncBatchNormReLU(SyncBatchNorm):
     def _alias(self):
         return 'syncbatchnormrelu'
 
+    def _fused_relu(self):
+        # As nn.BatchNormReLU: BatchNormWithReLU, ReLU included, where MXNet
+        # has it (not in NumPy mode).
+        return not is_np_array()
+
     def hybrid_forward(self, F, x, gamma, beta, running_mean, running_var):
         out = super(_SyncBatchNormReLU, self).hybrid_forward(F, x, gamma, beta, running_mean,
                                                              running_var)
+        if F is not ndarray and self._fused_relu():
+            return out  # a trace: nn.BatchNormReLU's node, ReLU included
         return F.npx.relu(out) if is_np_array() else F.relu(out)
 
 
@@ -157,7 +165,7 @@ def revert_model(net):
 def _warn_if_it_normalizes(block):
     """One warning naming ``block`` if it normalizes over the batch, each
     device's slice alone, and convert_model cannot replace it."""
-    if isinstance(block, _BatchNorm) and not isinstance(block, SyncBatchNorm):
+    if isinstance(block, _BatchNorm) and not is_sync_batchnorm(block):
         warn_user("convert_model: '%s' (%s.%s) normalizes over the batch, but it is none of "
                   "the layers convert_model replaces (nn.BatchNorm, nn.BatchNormReLU, "
                   "contrib.nn.SyncBatchNorm): it stays as it is and normalizes each device's "

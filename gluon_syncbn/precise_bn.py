@@ -30,9 +30,9 @@ import numpy as np
 from mxnet import autograd, gluon
 from mxnet.util import is_np_array, is_np_shape
 
-from .block import SyncBatchNorm
+from .block import is_sync_batchnorm
 from .errors import SyncBatchNormError, warn_user
-from .hooks import blocks_of, imperatively
+from .graphs import blocks_of, imperatively
 from .session import drain
 from .tally import Tally
 
@@ -191,7 +191,7 @@ def _batchnorm_layers(net):
     in training mode, each once."""
     seen, found = set(), []
     for block in blocks_of(net):
-        if id(block) in seen or not isinstance(block, (SyncBatchNorm, gluon.nn.BatchNorm)):
+        if id(block) in seen or not isinstance(block, gluon.nn.BatchNorm):
             continue
         seen.add(id(block))
         if block._kwargs.get('use_global_stats'):
@@ -211,7 +211,7 @@ def _batchnorm_layers(net):
 
 
 def _tally_of(layer):
-    backend = layer._training_backend() if isinstance(layer, SyncBatchNorm) else None
+    backend = layer._training_backend() if is_sync_batchnorm(layer) else None
     return _SyncedTally(layer, backend) if backend is not None else _LocalTally(layer)
 
 

@@ -70,8 +70,8 @@ def layer_vs_reference(shape, sizes, axis=1, dtype='float32', hybridize=False, s
     Returns the worst relative error per quantity over all steps.
     """
     if ndim_unknown:
-        from gluon_syncbn.backends import vector_graph
-        vector_graph.traced_ndim = lambda symbol: None
+        from gluon_syncbn import graphs
+        graphs.traced_ndim = lambda shape: None
     if numpy_mode:
         with mx.util.np_shape(True), mx.util.np_array(True):
             errs = _layer_vs_reference(shape, sizes, axis, dtype, hybridize, steps, offset,
@@ -1553,8 +1553,13 @@ def engine_operations(step, calls=3):
     """Engine operations per call of ``step``, counted by MXNet's profiler
     (each operator pushed alone, each bulked segment, each engine variable
     deleted, each operation our operators push)."""
+    import gc
     import json as json_
     from mxnet import profiler
+    # What earlier cases left for the garbage collector is freed now, not
+    # inside the counted calls (each freed array is an engine operation).
+    gc.collect()
+    mx.nd.waitall()
     profiler.set_config(profile_all=True, aggregate_stats=True, filename=os.devnull)
     profiler.set_state('run')
     for _ in range(calls):
