@@ -25,7 +25,8 @@ graph is *bound*:
   CachedOp too.
 
 A block keeps both (:class:`Graphs`, its ``_gluon_syncbn_graphs``) and
-switches between them by the call's mode.
+switches between them by the call's mode; ``export()`` writes the traced
+graph without marks (:func:`without_marks`), whatever the last call's mode.
 A graph is bound again when its layers' Parameters move to other devices
 (:meth:`Graphs.moved`) and after Gluon's own clearing (``hybridize()``,
 ``cast``, a new child). In static_shape graphs a training call is stamped
@@ -47,7 +48,7 @@ from .errors import SyncBatchNormError
 from .mxnet_private import dtype_name
 
 __all__ = ['blocks_of', 'imperatively', 'holds_layers', 'run_cached_op',
-           'note_placement', 'Graphs',
+           'note_placement', 'without_marks', 'Graphs',
            'Shadows', 'graph_layers']
 
 
@@ -452,3 +453,21 @@ def run_cached_op(block, args, call, training, session):
             with imperatively(block):
                 return block.forward(*args)
     return call(block, *args)
+
+
+# ----------------------------------------------------------------- export --
+
+@contextlib.contextmanager
+def without_marks(block):
+    """``block``'s traced graph without marks in the context: what
+    ``export()`` writes, ``nn.BatchNorm``'s graph, which plain MXNet loads."""
+    graph = block._cached_graph
+    if not graph or not traced.has_marks(graph[1]):
+        yield
+        return
+    block._cached_graph = (graph[0], traced.strip(graph[1]))
+    try:
+        yield
+    finally:
+        block._cached_graph = graph
+

@@ -9,7 +9,8 @@
   we abort the step and they fail at once instead of at the timeout.
 * A hybridized block's call (a SymbolBlock's too) runs the graph of its mode
   as ``graphs`` binds it, after clearing the errors an aborted step left on
-  the layers' arrays (the block does it in imperative mode).
+  the layers' arrays (the block does it in imperative mode); ``export()``
+  writes the traced graph without marks.
 * A Trainer's first step broadcasts every parameter from device 0, running
   statistics included. In static_shape graphs our operators update those
   inside their calls, which such graphs hold as read-only inputs, so the
@@ -129,6 +130,23 @@ def install_cached_op_hook(hybrid_block_class, session, is_training):
     hybrid_block_class._gluon_syncbn_cached_op_hooked = True
 
 
+def install_export_hook(hybrid_block_class):
+    """``export()`` writes a block's traced graph without its marks
+    (``graphs.without_marks``): ``nn.BatchNorm``'s graph, whatever the last
+    call's mode, which plain MXNet loads."""
+    if getattr(hybrid_block_class.export, '_gluon_syncbn_hooked', False):
+        return
+    original = hybrid_block_class.export
+
+    def export(self, path, epoch=0, remove_amp_cast=True):
+        with graphs.without_marks(self):
+            return original(self, path, epoch, remove_amp_cast)
+
+    export.__doc__ = original.__doc__
+    export._gluon_syncbn_hooked = True
+    hybrid_block_class.export = export
+
+
 def install_deepcopy_hook(hybrid_block_class):
     """``copy.deepcopy`` of a hybridized block that holds SyncBatchNorm
     layers and has a cached graph raises our error, saying why; any other
@@ -238,6 +256,7 @@ def install():
                               mx.autograd.is_recording, mx.autograd.is_training)
     install_exit_abort_hook(SESSION, mx.nd.waitall)
     install_cached_op_hook(mx.gluon.HybridBlock, SESSION, mx.autograd.is_training)
+    install_export_hook(mx.gluon.HybridBlock)
     install_parameter_hook(mx.gluon.Parameter)
     install_deepcopy_hook(mx.gluon.HybridBlock)
     install_grad_hooks(mx.autograd, mx.nd.NDArray, SESSION)
