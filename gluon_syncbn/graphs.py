@@ -143,6 +143,16 @@ def shadows_of(block):
     return shadows
 
 
+def add_shadow(block, layer):
+    """Hold ``layer``, a shadow for a node marked with its own token."""
+    shadows_of(block).layers[(traced.token_of(layer), layer.gamma.name)] = layer
+
+
+def drop_shadows(block):
+    """Forget ``block``'s shadows."""
+    block.__dict__.pop('_gluon_syncbn_shadows', None)
+
+
 # ------------------------------------------------------- resolving marks --
 
 def _contexts_of(params):

@@ -2,6 +2,7 @@
 package, and model-zoo networks."""
 
 import re
+import warnings
 
 import numpy as np
 import pytest
@@ -11,7 +12,7 @@ import mxnet as mx
 from mxnet import gluon
 from mxnet.gluon.model_zoo import vision
 
-from gluon_syncbn import SyncBatchNorm, convert_model, revert_model
+from gluon_syncbn import SyncBatchNorm, convert_model, revert_model, traced
 from tests.conftest import (PATH_OPERATOR, PATHS, result_of, run_batch, run_python,
                             run_scenario)
 
@@ -186,11 +187,46 @@ def test_batchnorm_relu_converts_and_reverts_and_unknown_ones_are_named(tmp_path
     revert_model(net)
     assert type(net[1]) is gluon.nn.BatchNormReLU
     _export_loads_in_plain_mxnet(net, x, tmp_path)
+    # The imported graph's BatchNorm nodes (nn.BatchNormReLU's fused one
+    # too) are marked, each with a layer of its own; revert_model unmarks.
     loaded = gluon.SymbolBlock.imports(str(tmp_path / 'model-symbol.json'), ['data'],
                                        str(tmp_path / 'model-0000.params'))
-    with pytest.warns(RuntimeWarning, match="'%s' is a SymbolBlock whose graph holds 2 "
-                                            "BatchNorm operator" % loaded.name):
+    with warnings.catch_warnings():
+        warnings.simplefilter('error', RuntimeWarning)
         convert_model(loaded)
+    assert len(loaded._gluon_syncbn_shadows) == 2
+    assert traced.has_marks(loaded._cached_graph[1])
+    assert np.abs(loaded(x).asnumpy() - expected).max() < 1e-5 * np.abs(expected).max()
+    revert_model(loaded)
+    assert not traced.has_marks(loaded._cached_graph[1])
+
+
+def test_symbol_blocks_nodes_it_cannot_synchronize_are_named():
+    """contrib's SyncBatchNorm in a SymbolBlock's graph stays, with one
+    warning naming its node; a SymbolBlock inside a hybridized network is
+    converted there, and the network's graph traced again."""
+    plain = gluon.nn.HybridSequential(prefix='contrib_')
+    with plain.name_scope():
+        plain.add(gluon.contrib.nn.SyncBatchNorm(num_devices=1, in_channels=3))
+    data = mx.sym.var('data')
+    block = gluon.SymbolBlock(plain(data), data, params=plain.collect_params())
+    with pytest.warns(RuntimeWarning, match="'%s' is a SymbolBlock whose graph holds "
+                                            "batch-norm operator.* it cannot synchronize "
+                                            "\\('contrib_syncbatchnorm0_fwd'" % block.name):
+        convert_model(block)
+    backbone = gluon.nn.HybridSequential(prefix='bb_')
+    with backbone.name_scope():
+        backbone.add(gluon.nn.Conv2D(3, 1, in_channels=3), gluon.nn.BatchNorm(in_channels=3))
+    backbone.initialize()
+    outer = gluon.nn.HybridSequential()
+    outer.add(gluon.SymbolBlock(backbone(data), data, params=backbone.collect_params()))
+    outer.hybridize()
+    x = mx.nd.random.normal(shape=(2, 3, 4, 4))
+    expected = outer(x).asnumpy()
+    assert not traced.has_marks(outer._cached_graph[1])
+    convert_model(outer)
+    assert np.abs(outer(x).asnumpy() - expected).max() == 0
+    assert traced.has_marks(outer._cached_graph[1])  # traced again, with the marks
 
 
 @pytest.mark.parametrize('path', ['async', 'exchange', 'exchange-device'])
