@@ -11,6 +11,8 @@
   as ``graphs`` binds it, after clearing the errors an aborted step left on
   the layers' arrays (the block does it in imperative mode); ``export()``
   writes the traced graph without marks.
+* A backward error names our layer only where it is the cause
+  (``backward_errors``).
 * A Trainer's first step broadcasts every parameter from device 0, running
   statistics included. In static_shape graphs our operators update those
   inside their calls, which such graphs hold as read-only inputs, so the
@@ -28,7 +30,8 @@ import threading
 
 import mxnet as mx
 
-from . import graphs, messages
+from . import graphs
+from .backward_errors import as_ours
 from .block import deepcopy_as_default, refuse_copy_of_graph
 from .errors import SyncBatchNormError, ours_behind
 from .session import SESSION
@@ -162,48 +165,6 @@ def install_deepcopy_hook(hybrid_block_class):
     hybrid_block_class.__deepcopy__ = __deepcopy__
 
 
-# MXNet's refusal of a higher-order gradient through our layers where their
-# own operators cannot say it: a CachedOp's (a hybridized network's, or the
-# GPU path's imperative call's, whose advice about hybridize is wrong for a
-# network that was not hybridized).
-_NO_HIGHER_ORDER = 'CachedOp does not support higher order gradients'
-
-
-def _as_ours(exc, heads, session):
-    """The SyncBatchNorm failure behind MXNet's error ``exc``, raised by
-    ``autograd.grad``/``backward`` of ``heads``, or None: a layer's own
-    refusal, or MXNet's of a higher-order gradient where SyncBatchNorm
-    layers synchronize, naming the layers ``heads`` were computed through
-    (a graph run as a CachedOp does not show its operators: then every layer
-    that synchronizes)."""
-    ours = exc if isinstance(exc, SyncBatchNormError) else ours_behind(exc)
-    unnamed = ours is not None and "SyncBatchNorm '?'" in str(ours)
-    if ours is not None and not unnamed:
-        return None if ours is exc else ours
-    if not unnamed and (not session.active()
-                        or _NO_HIGHER_ORDER not in str(exc)):
-        return None
-    names = _layers_in(heads, session) or sorted(
-        {b.layer_name for b in session.live_backends()})
-    ours = SyncBatchNormError(messages.text('no_higher_order', layer="', '".join(names)))
-    ours.__cause__ = exc
-    return ours
-
-
-def _layers_in(heads, session):
-    """The names of the SyncBatchNorm layers whose operators the graph
-    ``heads`` were computed through shows (by the layers' handles)."""
-    import json  # pylint: disable=import-outside-toplevel
-    handles = set()
-    for head in heads if isinstance(heads, (list, tuple)) else [heads]:
-        try:
-            nodes = json.loads(mx.autograd.get_symbol(head).tojson())['nodes']
-        except Exception:  # pylint: disable=broad-except
-            continue
-        handles.update(n.get('attrs', {}).get('layer') for n in nodes)
-    return sorted(b.layer_name for b in session.live_backends() if str(b.handle) in handles)
-
-
 def install_grad_hooks(autograd_module, ndarray_class, session):
     """A higher-order gradient through a SyncBatchNorm layer
     (``autograd.grad(..., create_graph=True)``, then a backward through the
@@ -219,7 +180,7 @@ def install_grad_hooks(autograd_module, ndarray_class, session):
             try:
                 return function(*args, **kwargs)
             except mx.base.MXNetError as exc:
-                ours = _as_ours(exc, heads_of(*args, **kwargs), session)
+                ours = as_ours(exc, heads_of(*args, **kwargs), session)
                 if ours is None:
                     raise
                 raise ours from exc
