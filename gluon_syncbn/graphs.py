@@ -34,7 +34,9 @@ with its step and a predict call after training calls is fenced
 (:meth:`Graphs.stamp`, :meth:`Graphs.fence`). A marked graph that cannot
 synchronize is refused at its first call (a node inside a control-flow
 operator's subgraph or a partitioned graph, parameters computed by
-operators).
+operators), and so is a CachedOp or a Module made from a synchronizing
+graph outside a block's call (:func:`check_cached_op`,
+:func:`check_module`).
 """
 import contextlib
 import threading
@@ -48,7 +50,7 @@ from .errors import SyncBatchNormError
 from .mxnet_private import dtype_name
 
 __all__ = ['blocks_of', 'imperatively', 'holds_layers', 'run_cached_op',
-           'note_placement', 'without_marks', 'Graphs',
+           'note_placement', 'without_marks', 'check_cached_op', 'check_module', 'Graphs',
            'Shadows', 'graph_layers']
 
 
@@ -218,6 +220,8 @@ def graph_layers(block, graph, params):
 
 # ----------------------------------------------------------------- graphs --
 
+# Held while Gluon builds a CachedOp for a block's call (check_cached_op).
+_building = threading.local()
 _switch_lock = threading.Lock()
 
 
@@ -225,7 +229,11 @@ def _gluon_build(block, args):
     """Gluon's ``_build_cache``: the CachedOp of ``block._cached_graph``,
     traced first if need be (which also finishes a deferred
     initialization)."""
-    block._build_cache(*args)
+    _building.depth = getattr(_building, 'depth', 0) + 1
+    try:
+        block._build_cache(*args)
+    finally:
+        _building.depth -= 1
 
 
 class Graphs(object):
@@ -481,3 +489,52 @@ def without_marks(block):
     finally:
         block._cached_graph = graph
 
+
+# ------------------------------------------- graphs run outside a block --
+
+def _synchronizing_layers(symbol):
+    """The live layers marked in ``symbol`` that synchronize on their
+    Parameters' devices (subgraphs included)."""
+    graph = traced.graph_of(symbol)
+    nodes = [n for _, n in traced.marked(graph)] + traced.marked_in_subgraphs(graph)
+    found = {}
+    for node in nodes:
+        layer = traced.layer_of(node['attrs'][traced.MARK])
+        if layer is not None and layer._synchronizes_on(_contexts_of([layer.gamma])):
+            found[id(layer)] = layer
+    return list(found.values())
+
+
+def check_cached_op(symbol):
+    """Raise if ``symbol``, about to become a CachedOp that no block's call
+    builds (``mx.nd.CachedOp``, ``optimize_for``), holds a layer that
+    synchronizes: such a CachedOp would run it as ``nn.BatchNorm`` on each
+    device alone."""
+    if getattr(_building, 'depth', 0) or not traced.any_layer() \
+            or traced.MARK not in symbol.tojson(remove_amp_cast=False):
+        return
+    layers = _synchronizing_layers(symbol)
+    if layers:
+        raise SyncBatchNormError(
+            "SyncBatchNorm layer(s) %s synchronize over %d devices, but a CachedOp made from "
+            "their graph outside a block's call (mx.nd.CachedOp, HybridBlock.optimize_for) "
+            "would normalize each device's slice alone. Call the network (hybridized, or a "
+            "gluon.SymbolBlock of the graph with params=net.collect_params()); for a "
+            "deployment graph, export() writes nn.BatchNorm's."
+            % (', '.join("'%s'" % l.name for l in layers), len(layers[0].gamma.list_ctx())))
+
+
+def check_module(symbol, contexts):
+    """Raise if a Module on several ``contexts`` would run ``symbol``, which
+    holds marked layers: it binds one executor per context, each a
+    BatchNorm of its own slice."""
+    if len(contexts) < 2 or traced.MARK not in symbol.tojson(remove_amp_cast=False):
+        return
+    graph = traced.graph_of(symbol)
+    nodes = [n for _, n in traced.marked(graph)] + traced.marked_in_subgraphs(graph)
+    raise SyncBatchNormError(
+        "%s: SyncBatchNorm node(s) %s cannot synchronize in a Module on %d contexts (one "
+        "executor per context, each normalizing its slice alone). Train the network with "
+        "Gluon (hybridized, or a gluon.SymbolBlock of this symbol), or export() it "
+        "first for nn.BatchNorm's graph." % (
+            'mx.mod.Module', ', '.join("'%s'" % n['name'] for n in nodes), len(contexts)))

@@ -10,7 +10,8 @@
 * A hybridized block's call (a SymbolBlock's too) runs the graph of its mode
   as ``graphs`` binds it, after clearing the errors an aborted step left on
   the layers' arrays (the block does it in imperative mode); ``export()``
-  writes the traced graph without marks.
+  writes the traced graph without marks; a CachedOp or a Module made from a
+  synchronizing graph outside a block's call is refused (``graphs``).
 * A backward error names our layer only where it is the cause
   (``backward_errors``).
 * A Trainer's first step broadcasts every parameter from device 0, running
@@ -150,6 +151,34 @@ def install_export_hook(hybrid_block_class):
     hybrid_block_class.export = export
 
 
+def install_unbound_graph_hooks(cached_op_class, executor_group_class):
+    """A CachedOp that no block's call builds (``mx.nd.CachedOp``,
+    ``optimize_for``) from a graph whose layers synchronize, and a Module on
+    several contexts running marked layers, are refused at once
+    (``graphs.check_cached_op``, ``graphs.check_module``): both would run
+    each layer as a BatchNorm of each device's slice."""
+    if getattr(cached_op_class, '_gluon_syncbn_hooked', False):
+        return
+    cached_op_init = cached_op_class.__init__
+    group_init = executor_group_class.__init__
+
+    def __init__(self, sym, *args, **kwargs):
+        try:
+            graphs.check_cached_op(sym)
+        except SyncBatchNormError:
+            self.handle = None  # what __del__ frees: nothing (MXNet deletes a null handle)
+            raise
+        cached_op_init(self, sym, *args, **kwargs)
+
+    def group__init__(self, symbol, contexts, *args, **kwargs):
+        graphs.check_module(symbol, contexts)
+        group_init(self, symbol, contexts, *args, **kwargs)
+
+    cached_op_class.__init__ = __init__
+    executor_group_class.__init__ = group__init__
+    cached_op_class._gluon_syncbn_hooked = True
+
+
 def install_deepcopy_hook(hybrid_block_class):
     """``copy.deepcopy`` of a hybridized block that holds SyncBatchNorm
     layers and has a cached graph raises our error, saying why; any other
@@ -218,6 +247,7 @@ def install():
     install_exit_abort_hook(SESSION, mx.nd.waitall)
     install_cached_op_hook(mx.gluon.HybridBlock, SESSION, mx.autograd.is_training)
     install_export_hook(mx.gluon.HybridBlock)
+    install_unbound_graph_hooks(mx.nd.CachedOp, mx.module.executor_group.DataParallelExecutorGroup)
     install_parameter_hook(mx.gluon.Parameter)
     install_deepcopy_hook(mx.gluon.HybridBlock)
     install_grad_hooks(mx.autograd, mx.nd.NDArray, SESSION)
