@@ -49,9 +49,9 @@ from .block import SyncBatchNorm, is_sync_batchnorm
 from .errors import SyncBatchNormError
 from .mxnet_private import dtype_name
 
-__all__ = ['blocks_of', 'imperatively', 'holds_layers', 'run_cached_op',
+__all__ = ['blocks_of', 'imperatively', 'layers_of', 'holds_layers', 'run_cached_op',
            'note_placement', 'without_marks', 'check_cached_op', 'check_module', 'Graphs',
-           'Shadows', 'graph_layers']
+           'Shadows', 'graph_layers', 'graph_batchnorms']
 
 
 # ------------------------------------------------------------ block trees --
@@ -75,6 +75,42 @@ def imperatively(block):
     finally:
         for b in active:
             b._active = True
+
+
+def layers_of(block):
+    """Every SyncBatchNorm layer ``block`` runs, each once: those of its
+    tree, and those the graphs of its SymbolBlocks resolve to (the layers
+    that traced them, or shadows)."""
+    seen, found = set(), []
+    for b in blocks_of(block):
+        if is_sync_batchnorm(b):
+            layers = [b]
+        elif isinstance(b, SymbolBlock):
+            graph = traced.graph_of(b._cached_graph[1])
+            params = {p.name: p for p in b.collect_params().values()}
+            layers = [layer for _, _, layer in graph_layers(b, graph, params)]
+        else:
+            continue
+        for layer in layers:
+            if id(layer) not in seen:
+                seen.add(id(layer))
+                found.append(layer)
+    return found
+
+
+def graph_batchnorms(block):
+    """The names of the batch-norm nodes of a SymbolBlock's graph that use
+    batch statistics and run as no layer (``nn.BatchNorm``'s nodes no
+    ``convert_model`` marked, contrib's SyncBatchNorm); [] for any other
+    block."""
+    if not isinstance(block, SymbolBlock):
+        return []
+    graph = traced.graph_of(block._cached_graph[1])
+    params = {p.name: p for p in block.collect_params().values()}
+    resolved = {index for index, _, _ in graph_layers(block, graph, params)}
+    return [n['name'] for i, n in enumerate(graph['nodes'])
+            if i not in resolved and n['op'] in traced.BATCHNORMS
+            and not traced.node_kwargs(n)['use_global_stats']]
 
 
 def holds_layers(block):
