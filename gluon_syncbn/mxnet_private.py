@@ -45,33 +45,55 @@ Failures
 
 Class patches (``hooks``, installed by the package's ``__init__``: ``hooks.install``)
     ``autograd._RecordingStateScope.__enter__`` and ``__exit__``,
-    ``HybridBlock._call_cached_op``, and an ``atexit`` handler that must run
-    before MXNet's own.
+    ``HybridBlock._call_cached_op`` (which ``SymbolBlock.forward`` calls for
+    every NDArray call), ``HybridBlock.export``, ``CachedOp.__init__``,
+    ``module.executor_group.DataParallelExecutorGroup.__init__``, and an
+    ``atexit`` handler that must run before MXNet's own.
     ``HybridBlock._active`` is lowered for one call with an empty input, so
-    the tree runs imperatively (``hooks._forward_imperatively``).
-    A hybridized block keeps a graph for each mode (``hooks._use_graph_for_mode``):
-    Gluon's ``_build_cache`` and ``_clear_cached_op``, the attributes that make
-    up a cached graph (``_cached_graph``, ``_cached_op``, ``_cached_op_args``,
-    ``_in_format``, ``_out_format``), ``_flags`` (``static_shape``), and the
-    names its trace gives the block's inputs (``data``, or ``data0``,
-    ``data1``, ...: ``hooks.traced_ndim``).
+    the tree runs imperatively (``graphs.imperatively``).
+    A block keeps a graph for each mode (``graphs``): Gluon's ``_build_cache``
+    (which traces, finishes a deferred initialization and builds a CachedOp
+    of ``_cached_graph``, whatever Symbol that holds: the training graph is
+    built with it swapped in) and ``_clear_cached_op`` (SymbolBlock's keeps
+    ``_cached_graph``), the attributes that make up a cached graph
+    (``_cached_graph``, ``_cached_op``, ``_cached_op_args``: ``(is_arg,
+    Parameter)`` pairs, ``_in_format``, ``_out_format``), ``_flags``
+    (``static_shape``), ``_backend`` (a partitioned graph replaces
+    ``_cached_graph``), and ``export``, which writes ``_cached_graph[1]``.
     ``Trainer._init_params`` (the first step's broadcast of every parameter
     from device 0) first drains the engine (``hooks.install_trainer_hook``).
     ``Parameter._init_impl`` (initialize, ``reset_ctx``, a load onto other
-    contexts) is counted (``hooks.install_parameter_hook``), and a cached
-    graph compares ``Parameter.list_ctx()`` with the list it was traced for.
+    contexts) is counted (``hooks.install_parameter_hook``), and a bound
+    graph compares ``Parameter.list_ctx()`` with the list it was bound for.
     ``HybridBlock.__deepcopy__`` (Gluon defines none) refuses a network with
     a cached graph and SyncBatchNorm layers, else copies as Python does
     (``copy._reconstruct``); ``autograd.grad``, ``autograd.backward`` and
     ``NDArray.backward`` raise our error for a higher-order gradient MXNet
-    refuses through our layers (``hooks.install_grad_hooks``), reading the
-    recorded graph (``autograd.get_symbol``) for the layers' handles.
+    refuses through our layers (``hooks.install_grad_hooks``,
+    ``backward_errors``), reading the recorded graph
+    (``autograd.get_symbol``) for the layers' handles and for the autograd
+    variables of their gamma and beta, which MXNet names ``var<N>`` once,
+    when ``attach_grad`` marks them (``Imperative::MarkVariables``).
+
+Traced graphs (``traced``, ``graphs``)
+    A node's attributes whose keys start with ``__`` are skipped by MXNet's
+    operator parameter parsers (``dmlc::parameter::kAllowHidden``), so the
+    mark on a layer's ``BatchNorm`` node leaves plain MXNet's reading of it
+    alone; ``Symbol.tojson`` drops AMP's casts unless
+    ``remove_amp_cast=False``, and ``mx.sym.load_json`` rebuilds a graph from
+    that JSON (nodes, ``inputs`` as ``[node, output, version]``, ``heads``,
+    ``arg_nodes``; ``node_row_ptr`` left out). A SymbolBlock shares
+    Parameters given to it (``ParameterDict('', params)``) and makes its own
+    for the rest; GluonCV's feature extractors pass the backbone's
+    ``collect_params()``.
 
 The layer's base (``block.SyncBatchNorm``, ``convert.py``)
     ``nn.BatchNorm``'s constructor makes the parameters and ``_kwargs`` the
     operators take; its ``_alias`` is 'batchnorm', ours 'syncbatchnorm'.
     ``nn.BatchNormReLU`` and other batch-norm blocks are found as subclasses
-    of Gluon's private ``_BatchNorm``. A native operator's backward node
+    of Gluon's private ``_BatchNorm``. A shadow layer (``SyncBatchNorm.shadow``)
+    adopts a block's Parameters through ``Block._reg_params`` and
+    ``ParameterDict._params``. A native operator's backward node
     refuses its own gradient (``FGradient``, ``sync_call.h``
     no_higher_order), reading the layer from its forward node, the backward
     node's control dependency, where MXNet keeps it.
@@ -118,7 +140,7 @@ Python (``transport._guard_exit``, at the first cross-process layer's constructi
     replaced (the last by a subclass), and an ``atexit`` handler added, so a
     worker learns how its script ended and ends at once when it failed.
 
-Block trees (``hooks.blocks_of``, ``convert.py``)
+Block trees (``graphs.blocks_of``, ``convert.py``)
     ``Block._children``, the ordered children of a block, walked to find and
     replace layers.
 
