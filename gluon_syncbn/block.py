@@ -1,5 +1,9 @@
 """The SyncBatchNorm layer: arguments, parameters, input checks, and when
-it synchronizes. How it does is its backend's business (:mod:`.backends`)."""
+it synchronizes. How it does is its backend's business (:mod:`.backends`);
+what it puts in a traced graph is ``nn.BatchNorm``'s node, marked
+(:mod:`.traced`), which :mod:`.graphs` binds to its backend when a block
+builds its cached graph."""
+import copy
 import os
 
 from mxnet import autograd, ndarray
@@ -13,12 +17,12 @@ from .cpu_contexts import check_cpu_contexts, is_naive_engine
 from .errors import SyncBatchNormError, ours_behind
 from .gpus import check_gpus
 from .groups import check_sync_groups
-from .hooks import deepcopy_as_default, refuse_copy_of_graph, traced_call, tracing_for_prediction
 from .mxnet_private import dtype_name
 from .session import SESSION, SETUP_LOCK
+from .traced import MARK, token_of
 from .transport import make_transport
 
-__all__ = ['SyncBatchNorm']
+__all__ = ['SyncBatchNorm', 'is_sync_batchnorm']
 
 # Seconds a device waits for the other devices of its process, and a worker
 # for the other workers: those may pause far longer in a healthy job (an
@@ -101,15 +105,21 @@ class SyncBatchNorm(nn.BatchNorm):
 
     Outputs:
         - **out**: output of the same shape and dtype as `data` (except on the
-          GPU path, where a hybridized graph returns float32 for float16 input
-          unless the network was cast with ``net.cast('float16')``: under
-          AMP, AMP casts it onwards).
+          GPU path in a graph whose types MXNet cannot infer when it is bound,
+          which returns float32 for float16 input unless the network was cast
+          with ``net.cast('float16')``: under AMP, AMP casts it onwards).
 
     Notes
     -----
     Running statistics are updated in the forward pass of every training call
     (``nn.BatchNorm`` on CPU updates them during backward); with forward and
     backward in each step, as in training, the two agree.
+
+    Called on a Symbol (a hybridized network's trace, or a backbone traced
+    into a SymbolBlock, as GluonCV's feature extractors do) the layer is
+    ``nn.BatchNorm``'s node, marked; the block that runs the graph makes it
+    synchronize over the devices its Parameters live on, and ``export()``
+    writes ``nn.BatchNorm``'s graph.
 
     Several CPU contexts share MXNet's CPU resources: call
     :func:`gluon_syncbn.configure_cpu_contexts` before MXNet runs its first
@@ -145,7 +155,6 @@ class SyncBatchNorm(nn.BatchNorm):
         self._synchronizes = False
         self._checked_shape = None  # the input shape the last imperative call checked
         self._input_dtype = 'float32'
-        self._static_shape = False
 
     def _alias(self):
         return 'syncbatchnorm'  # names as before nn.BatchNorm was its base ('batchnorm')
@@ -153,7 +162,8 @@ class SyncBatchNorm(nn.BatchNorm):
     # What a copy (copy.deepcopy) or a pickle starts afresh: the backend and
     # the checks of the devices it synchronized on, which a copy makes for
     # itself at its first training call (so it never joins the original's
-    # calls); and nothing hooks kept of a graph.
+    # calls); and what graphs kept of it (its token in traced graphs: the
+    # copy's traces name the copy).
     _FRESH = {'_sync_backend': None, '_checked_contexts': None, '_synchronizes': False,
               '_checked_shape': None}
 
@@ -186,17 +196,11 @@ class SyncBatchNorm(nn.BatchNorm):
         """The number of devices synchronizing, once the parameters are initialized."""
         return len(self._devices())
 
-    def hybridize(self, active=True, **kwargs):
-        # Remembered for the operators: static_shape graphs hold the running
-        # statistics as read-only inputs (mxnet_private, "Raw memory").
-        self._static_shape = bool(active and kwargs.get('static_shape', False))
-        super(SyncBatchNorm, self).hybridize(active, **kwargs)
-
     def cast(self, dtype):
         # Like nn.BatchNorm: float16 networks keep float32 parameters (bfloat16
-        # ones too). We also remember the network's dtype: a hybridized graph
-        # cannot see its input's dtype, and float16 input needs casts around
-        # float32 statistics.
+        # ones too). We also remember the network's dtype, for a graph whose
+        # types MXNet cannot infer when it is bound (graphs): float16 input
+        # needs casts around float32 statistics on the GPU path.
         self._input_dtype = dtype_name(dtype)
         if self._input_dtype in LOW_PRECISION:
             dtype = 'float32'
@@ -227,8 +231,14 @@ class SyncBatchNorm(nn.BatchNorm):
                 "SyncBatchNorm '%s': MXNET_ENGINE_TYPE=NaiveEngine runs operators one at a "
                 "time, so device 0 would wait forever for device 1. Unset it (use "
                 "ThreadedEnginePerDevice) or train on one device." % self.name)
-        self._synchronizes = len(devices) > 1 or self._transport.cross_process
+        self._synchronizes = self._synchronizes_on(contexts)
         self._checked_contexts = contexts
+
+    def _synchronizes_on(self, contexts):
+        """Whether the layer synchronizes with its Parameters on
+        ``contexts``: on several devices, or across processes (on one device
+        in one process it is ``nn.BatchNorm``)."""
+        return len(contexts) > 1 or self._transport.cross_process
 
     def _training_backend(self):
         """The backend of the training calls on the parameters' contexts,
@@ -304,43 +314,74 @@ class SyncBatchNorm(nn.BatchNorm):
         return self._forward(F, x, gamma, beta, running_mean, running_var)
 
     def _forward(self, F, x, gamma, beta, running_mean, running_var):
-        imperative = F is ndarray
-        if imperative:
-            self._check_input(x)
-        if self._kwargs['use_global_stats'] or (imperative and not autograd.is_training()):
+        if F is not ndarray:
+            return self._traced(F, x, gamma, beta, running_mean, running_var)
+        self._check_input(x)
+        if self._kwargs['use_global_stats'] or not autograd.is_training():
             # Inference: running statistics, no synchronization at all.
             return F.BatchNorm(x, gamma, beta, running_mean, running_var, name='fwd',
                                **dict(self._kwargs, use_global_stats=True))
-        contexts = self.gamma.list_ctx()
-        if contexts is not self._checked_contexts:
-            self._check_devices(contexts)
-        if not self._synchronizes:
+        backend = self._training_backend()
+        if backend is None:
             # Nothing to synchronize: be nn.BatchNorm, kernel and all, with no
             # library work. (Like nn.BatchNorm's, float16 input takes float32
             # parameters, and float64 running statistics have float32's
             # precision on CPU.)
             return F.BatchNorm(x, gamma, beta, running_mean, running_var, name='fwd',
                                **self._kwargs)
-        if not imperative and tracing_for_prediction():
-            # A hybridized network's graph for predict mode (hooks): the
-            # running statistics, as nn.BatchNorm's graph has them.
-            return F.BatchNorm(x, gamma, beta, running_mean, running_var, name='fwd',
-                               **dict(self._kwargs, use_global_stats=True))
-        backend = self._backend_for(contexts)
-        if imperative:
-            dtype = dtype_name(x.dtype)
-            SESSION.clear_failed_arrays()
-            backend.follow_arguments()  # a traced graph's calls: hooks
-            if not all(x.shape):  # an empty slice (NumPy shape mode: _check_input)
-                backend.watch_empty_slice(x)
-        else:
-            dtype = self._input_dtype
-            traced_call(backend)
+        SESSION.clear_failed_arrays()
+        backend.follow_arguments()  # a graph's calls: graphs.run_cached_op
+        if not all(x.shape):  # an empty slice (NumPy shape mode: _check_input)
+            backend.watch_empty_slice(x)
         # An imperative call is static in no sense: its operator is made for
         # it and knows the step it was issued in, also in a static network
         # run imperatively (an empty slice's call, update_bn_stats).
-        return backend.forward(F, x, gamma, beta, running_mean, running_var, dtype,
-                               self._static_shape and not imperative, imperative)
+        return backend.forward(F, x, gamma, beta, running_mean, running_var,
+                               dtype_name(x.dtype), static_shape=False, ndim=x.ndim)
+
+    def _traced(self, F, x, gamma, beta, running_mean, running_var):
+        """What a trace gets (Gluon's, of a hybridized network, or a call on
+        a Symbol, as GluonCV's feature extractors make): ``nn.BatchNorm``'s
+        node with this layer's arguments, marked with the layer where it
+        uses batch statistics. Which devices it synchronizes, and how, is
+        decided when a block builds its cached graph (:mod:`.graphs`), so
+        the trace needs no devices, shapes or initialization."""
+        op = F.contrib.BatchNormWithReLU if self._fused_relu() else F.BatchNorm
+        mark = None if self._kwargs['use_global_stats'] else {MARK: token_of(self)}
+        return op(x, gamma, beta, running_mean, running_var, name='fwd', attr=mark,
+                  **self._kwargs)
+
+    def _fused_relu(self):
+        """Whether a trace emits ``nn.BatchNormReLU``'s node, ReLU included."""
+        return False
+
+    @classmethod
+    def shadow(cls, node_kwargs, params, template=None, **settings):
+        """The layer that runs a marked graph node whose Parameters
+        (``params``: gamma, beta, running mean and variance) belong to no
+        SyncBatchNorm: those of a SymbolBlock of its own, or a graph's
+        BatchNorm node ``convert_model`` marked. It has the node's arguments
+        (``node_kwargs``, ``_kwargs`` as :func:`.traced.node_kwargs` gives
+        them), ``template``'s settings (the layer that traced the node) or
+        ``settings`` (``convert_model``'s), and is named after gamma's
+        Parameter (``<prefix>gamma``). No block holds it as a child."""
+        gamma = params[0].name
+        prefix = gamma[:-len('gamma')] if gamma.endswith('gamma') else gamma + '_'
+        if template is not None:
+            settings = dict(num_devices=template._num_devices, timeout=template._timeout,
+                            sync_groups=template._sync_groups)
+        layer = cls(prefix=prefix, **settings)
+        if template is not None:
+            layer._transport = template._transport
+            layer._remote_timeout = template._remote_timeout
+            layer._input_dtype = template._input_dtype
+        layer._kwargs = dict(node_kwargs)
+        for attribute, param in zip(('gamma', 'beta', 'running_mean', 'running_var'), params):
+            layer._reg_params[attribute] = param
+            object.__setattr__(layer, attribute, param)
+        layer._params._params.clear()
+        layer._params._params.update((p.name, p) for p in params)
+        return layer
 
     def __repr__(self):
         s = '{name}({content}'
@@ -350,3 +391,29 @@ class SyncBatchNorm(nn.BatchNorm):
         return s.format(name=self.__class__.__name__,
                         content=', '.join('='.join([k, v.__repr__()])
                                           for k, v in self._kwargs.items()))
+
+
+def is_sync_batchnorm(block):
+    """Whether ``block`` is a SyncBatchNorm layer: the one test every module
+    uses."""
+    return isinstance(block, SyncBatchNorm)
+
+
+def refuse_copy_of_graph(block):
+    """Raise if ``block``, which holds SyncBatchNorm layers, has a cached
+    graph: MXNet's CachedOp cannot be copied (nn.BatchNorm's network fails
+    there too, deep inside ``copy``: "ctypes objects containing pointers
+    cannot be pickled")."""
+    if block._cached_op is not None:
+        raise SyncBatchNormError(
+            "'%s' is hybridized and has run: its cached graph (MXNet's CachedOp) cannot be "
+            "copied, with SyncBatchNorm as with nn.BatchNorm layers. Copy it before its first "
+            "call, or call net.hybridize(False) first (it drops the graph; hybridize the copy "
+            "and the original again after)." % block.name)
+
+
+def deepcopy_as_default(obj, memo):
+    """What ``copy.deepcopy`` does for ``obj`` without a ``__deepcopy__``
+    (its ``__reduce_ex__``, which uses ``__getstate__``): Python's own
+    ``copy._reconstruct``."""
+    return copy._reconstruct(obj, memo, *obj.__reduce_ex__(4))  # pylint: disable=protected-access

@@ -2,19 +2,25 @@
 
 Both directions hand the *same* Parameter objects to the new layer, so values,
 contexts, gradients and checkpoints are untouched (bit-exact by construction).
-A block that normalizes over the batch but is none of the layers known here
-(another subclass of Gluon's ``_BatchNorm``, a SymbolBlock whose graph holds
-``BatchNorm`` operators) stays as it is, with a warning naming it.
+In a SymbolBlock's graph (``SymbolBlock.imports`` of an export, GluonCV's
+feature extractors) the BatchNorm nodes fed by the block's Parameters are
+marked with a layer each, as a SyncBatchNorm's trace marks its node
+(:mod:`.traced`), and unmarked again. A block that normalizes over the
+batch but is none of the layers known here (another subclass of Gluon's
+``_BatchNorm``; a node of contrib's SyncBatchNorm, or one whose statistics
+are computed by operators, in a SymbolBlock) stays as it is, with a warning
+naming it.
 """
-import json
-
+from mxnet import ndarray
 from mxnet.gluon import SymbolBlock, nn
 from mxnet.gluon.contrib import nn as contrib_nn
 from mxnet.gluon.nn.basic_layers import _BatchNorm
 from mxnet.util import is_np_array
 
-from .block import SyncBatchNorm
+from . import traced
+from .block import SyncBatchNorm, is_sync_batchnorm
 from .errors import warn_user
+from .graphs import add_shadow, drop_shadows
 
 __all__ = ['convert_model', 'revert_model']
 
@@ -26,9 +32,16 @@ class _SyncBatchNormReLU(SyncBatchNorm):
     def _alias(self):
         return 'syncbatchnormrelu'
 
+    def _fused_relu(self):
+        # As nn.BatchNormReLU: BatchNormWithReLU, ReLU included, where MXNet
+        # has it (not in NumPy mode).
+        return not is_np_array()
+
     def hybrid_forward(self, F, x, gamma, beta, running_mean, running_var):
         out = super(_SyncBatchNormReLU, self).hybrid_forward(F, x, gamma, beta, running_mean,
                                                              running_var)
+        if F is not ndarray and self._fused_relu():
+            return out  # a trace: nn.BatchNormReLU's node, ReLU included
         return F.npx.relu(out) if is_np_array() else F.relu(out)
 
 
@@ -50,16 +63,19 @@ def _settings(bn):
 
 def _swap(block, make):
     """Replace, anywhere below ``block``, every child for which ``make(child)``
-    gives a layer by that layer.
+    gives a layer by that layer (``child`` itself: changed in place, a
+    SymbolBlock's graph).
 
-    Returns how many layers were replaced. Children are found through Gluon's
-    registry and replaced there and in every attribute, list, tuple or dict of
-    the parent that refers to them.
+    Returns how many layers were replaced or changed. Children are found
+    through Gluon's registry and replaced there and in every attribute,
+    list, tuple or dict of the parent that refers to them.
     """
     replaced = 0
     for key, child in list(block._children.items()):
         new = make(child)
-        if new is not None:
+        if new is child:
+            replaced += 1
+        elif new is not None:
             block._children[key] = new
             _replace_references(block, child, new)
             replaced += 1
@@ -87,10 +103,14 @@ def _replace_references(parent, old, new):
 def convert_model(net, num_devices=None, timeout=None, kvstore=None, sync_groups=None):
     """Replace every BatchNorm in ``net`` by :class:`SyncBatchNorm`, in place.
 
-    Handles ``gluon.nn.BatchNorm`` and ``gluon.contrib.nn.SyncBatchNorm`` at any
-    depth (Sequential, HybridSequential, custom blocks, lists of blocks). Each new
-    layer reuses the old layer's Parameter objects, so initialized values, running
-    statistics and checkpoints carry over exactly.
+    Handles ``gluon.nn.BatchNorm``, ``gluon.nn.BatchNormReLU`` and
+    ``gluon.contrib.nn.SyncBatchNorm`` at any depth (Sequential,
+    HybridSequential, custom blocks, lists of blocks). Each new layer reuses
+    the old layer's Parameter objects, so initialized values, running
+    statistics and checkpoints carry over exactly. In a SymbolBlock's graph
+    (``SymbolBlock.imports`` of an export, GluonCV's feature extractors) every
+    BatchNorm node that uses batch statistics and takes its statistics from
+    the block's Parameters synchronizes, with a layer of its own.
 
     Parameters
     ----------
@@ -112,14 +132,18 @@ def convert_model(net, num_devices=None, timeout=None, kvstore=None, sync_groups
     Block
         ``net``. Call ``hybridize()`` again if it was hybridized.
     """
+    settings = dict(num_devices=num_devices, timeout=timeout, kvstore=kvstore,
+                    sync_groups=sync_groups)
+
     def make(block):
+        if isinstance(block, SymbolBlock):
+            return block if _synchronize_graph(block, settings) else None
         layer = _SYNCHRONIZED.get(type(block))
         if layer is None:
             _warn_if_it_normalizes(block)
             return None
-        return layer(num_devices=num_devices, timeout=timeout, kvstore=kvstore,
-                     sync_groups=sync_groups, prefix=block.prefix, params=block.params,
-                     **_settings(block))
+        return layer(prefix=block.prefix, params=block.params, **dict(settings,
+                                                                      **_settings(block)))
     new = make(net)
     if new is not None:
         return new
@@ -130,9 +154,10 @@ def convert_model(net, num_devices=None, timeout=None, kvstore=None, sync_groups
 def revert_model(net):
     """Replace every :class:`SyncBatchNorm` in ``net`` by ``gluon.nn.BatchNorm``, in place.
 
-    The result contains only stock Gluon layers: ``hybridize()`` + ``export()``
-    give a symbol file that plain MXNet loads (``SymbolBlock.imports``) without
-    this package. Parameters are shared, as in :func:`convert_model`.
+    The result contains only stock Gluon layers, and a SymbolBlock's graph
+    no mark. (``export()`` writes ``nn.BatchNorm``'s graph either way, which
+    plain MXNet loads without this package.) Parameters are shared, as in
+    :func:`convert_model`.
 
     Parameters
     ----------
@@ -144,6 +169,8 @@ def revert_model(net):
         ``net``. Call ``hybridize()`` again if it was hybridized.
     """
     def make(block):
+        if isinstance(block, SymbolBlock):
+            return block if _unsynchronize_graph(block) else None
         layer = _REVERTED.get(type(block))
         return layer(prefix=block.prefix, params=block.params, **_settings(block)) \
             if layer is not None else None
@@ -154,29 +181,69 @@ def revert_model(net):
     return net
 
 
+def _synchronize_graph(block, settings):
+    """Mark every BatchNorm node of a SymbolBlock's graph that uses batch
+    statistics and takes gamma, beta and the running statistics from the
+    block's Parameters, each with a layer of its own (a shadow with the
+    node's arguments and ``settings``, :meth:`SyncBatchNorm.shadow`), as a
+    SyncBatchNorm's trace would; nodes a live layer of the block's
+    Parameters marked already keep their layer. Warns about batch-norm
+    nodes it cannot mark. Returns whether the graph changed."""
+    inputs, symbol = block._cached_graph
+    graph = traced.graph_of(symbol)
+    params = {p.name: p for p in block.collect_params().values()}
+    tokens, left = {}, []
+    for node in graph['nodes']:
+        if node['op'] not in traced.MARKABLE:
+            if node['op'] in traced.BATCHNORMS:
+                left.append(node['name'])
+            continue
+        kwargs = traced.node_kwargs(node)
+        if kwargs['use_global_stats']:
+            continue  # running statistics in training too: nothing to synchronize
+        names = traced.parameter_inputs(graph, node)
+        own = [params.get(n) for n in names] if names else [None]
+        if any(p is None for p in own):
+            left.append(node['name'])
+            continue
+        marking = traced.layer_of(node.get('attrs', {}).get(traced.MARK))
+        if marking is not None and marking.gamma is own[0]:
+            continue
+        layer = SyncBatchNorm.shadow(kwargs, own, **settings)
+        add_shadow(block, layer)
+        tokens[node['name']] = traced.token_of(layer)
+    if left:
+        warn_user("convert_model: '%s' is a SymbolBlock whose graph holds batch-norm "
+                  "operator(s) it cannot synchronize (%s: contrib's SyncBatchNorm, or "
+                  "statistics that are no Parameters of the block): they stay as they are. "
+                  "Build the network in Python (its Gluon model) and convert that."
+                  % (block.name, ', '.join("'%s'" % n for n in left)))
+    if not tokens:
+        return False
+    block._cached_graph = (inputs, traced.mark(symbol, tokens))
+    block._clear_cached_op()
+    return True
+
+
+def _unsynchronize_graph(block):
+    """The inverse of :func:`_synchronize_graph`, for every mark: the graph
+    ``nn.BatchNorm``'s network has, and no shadows. Returns whether the
+    graph changed."""
+    inputs, symbol = block._cached_graph
+    if not traced.has_marks(symbol):
+        return False
+    block._cached_graph = (inputs, traced.strip(symbol))
+    drop_shadows(block)
+    block._clear_cached_op()
+    return True
+
+
 def _warn_if_it_normalizes(block):
     """One warning naming ``block`` if it normalizes over the batch, each
     device's slice alone, and convert_model cannot replace it."""
-    if isinstance(block, _BatchNorm) and not isinstance(block, SyncBatchNorm):
+    if isinstance(block, _BatchNorm) and not is_sync_batchnorm(block):
         warn_user("convert_model: '%s' (%s.%s) normalizes over the batch, but it is none of "
                   "the layers convert_model replaces (nn.BatchNorm, nn.BatchNormReLU, "
                   "contrib.nn.SyncBatchNorm): it stays as it is and normalizes each device's "
                   "slice alone. Build it as gluon_syncbn.SyncBatchNorm (norm_layer=) instead."
                   % (block.name, type(block).__module__, type(block).__name__))
-    elif isinstance(block, SymbolBlock):
-        count = _batchnorm_operators(block)
-        if count:
-            warn_user("convert_model: '%s' is a SymbolBlock whose graph holds %d BatchNorm "
-                      "operator(s), which convert_model cannot replace: they normalize each "
-                      "device's slice alone. Build the network in Python (its Gluon model) "
-                      "and convert that." % (block.name, count))
-
-
-def _batchnorm_operators(block):
-    """How many BatchNorm operators a SymbolBlock's graph holds."""
-    try:
-        nodes = json.loads(block._cached_graph[1].tojson())['nodes']
-    except Exception:  # pylint: disable=broad-except
-        return 0
-    return sum(n['op'] in ('BatchNorm', '_contrib_BatchNormWithReLU', '_contrib_SyncBatchNorm')
-               for n in nodes)

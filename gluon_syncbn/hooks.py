@@ -7,8 +7,13 @@
   half-way (say device 2's forward raised in user code): the SyncBatchNorm calls
   already issued for devices 0 and 1 would wait for partners that never come, so
   we abort the step and they fail at once instead of at the timeout.
-* Before a cached graph's calls are issued, the errors an aborted step left
-  on the layers' arrays are cleared (the block does it in imperative mode).
+* A hybridized block's call (a SymbolBlock's too) runs the graph of its mode
+  as ``graphs`` binds it, after clearing the errors an aborted step left on
+  the layers' arrays (the block does it in imperative mode); ``export()``
+  writes the traced graph without marks; a CachedOp or a Module made from a
+  synchronizing graph outside a block's call is refused (``graphs``).
+* A backward error names our layer only where it is the cause
+  (``backward_errors``).
 * A Trainer's first step broadcasts every parameter from device 0, running
   statistics included. In static_shape graphs our operators update those
   inside their calls, which such graphs hold as read-only inputs, so the
@@ -27,18 +32,16 @@
 """
 import atexit
 import builtins
-import collections
-import contextlib
-import copy
 import sys
 import threading
 import weakref
 
 import mxnet as mx
 
-from . import messages
+from . import graphs, messages, transport
+from .backward_errors import as_ours
+from .block import deepcopy_as_default, refuse_copy_of_graph
 from .errors import SyncBatchNormError, ours_behind
-from .mxnet_private import dtype_name
 from .session import SESSION
 
 __all__ = ['install']
@@ -130,259 +133,35 @@ def install_exit_abort_hook(session, waitall):
     atexit.register(abort_at_exit)
 
 
-def blocks_of(block):
-    """``block`` and every block of its tree, depth first (a shared child as
-    often as it appears)."""
-    yield block
-    for child in block._children.values():
-        yield from blocks_of(child)
-
-
-@contextlib.contextmanager
-def imperatively(block):
-    """Every block of ``block``'s tree un-hybridized in the context."""
-    active = [b for b in blocks_of(block) if getattr(b, '_active', False)]
-    for b in active:
-        b._active = False  # the flag alone: the cached graphs stay for later calls
-    try:
-        yield
-    finally:
-        for b in active:
-            b._active = True
-
-
-def _forward_imperatively(block, args):
-    """``block(*args)`` with every block of its tree un-hybridized for this call."""
-    with imperatively(block):
-        return block.forward(*args)
-
-
-# What a hybridized block's cached graph is: Gluon's attributes for it.
-_GRAPH_ATTRIBUTES = ('_cached_graph', '_cached_op', '_cached_op_args', '_in_format',
-                     '_out_format')
-_OP = _GRAPH_ATTRIBUTES.index('_cached_op')
-_tracing = threading.local()
-_switch_lock = threading.Lock()
-
-
-def traced_ndim(symbol):
-    """The number of dimensions of ``symbol``, an intermediate of the graph
-    being traced now, where the block's inputs tell (shape inference from
-    them: :func:`_use_graph_for_mode`); else None."""
-    shapes = getattr(_tracing, 'input_shapes', None)
-    if not shapes:
-        return None
-    try:
-        inputs = set(symbol.list_inputs())
-        _, out, _ = symbol.infer_shape_partial(**{n: s for n, s in shapes.items() if n in inputs})
-    except Exception:  # pylint: disable=broad-except
-        return None
-    return len(out[0]) if out and out[0] else None
-
-
-def tracing_for_prediction():
-    """Whether the graph being traced now will only ever run in predict mode
-    (see :func:`_use_graph_for_mode`)."""
-    return getattr(_tracing, 'prediction', False)
-
-
-def traced_call(backend):
-    """A training call of ``backend``'s layer is being traced into a graph
-    (:func:`_stamp_static` needs how many the graph makes)."""
-    calls = getattr(_tracing, 'calls', None)
-    if calls is not None:
-        calls[backend] += 1
-
-
-def _synchronizes(block):
-    return any(getattr(b, '_synchronizes', False) for b in blocks_of(block))
-
-
-def _build(block, args, prediction):
-    """Gluon's ``_build_cache``, with the shapes of the block's inputs known
-    to the layers it traces (:func:`traced_ndim`; Gluon names a block's
-    inputs ``data``, or ``data0``, ``data1``, ... as here)."""
-    arrays = [a for a in _flatten(args) if a is not None]
-    names = ['data'] if len(arrays) == 1 else ['data%d' % i for i in range(len(arrays))]
-    _tracing.input_shapes = {n: a.shape for n, a in zip(names, arrays) if hasattr(a, 'shape')}
-    _tracing.prediction = prediction
-    _tracing.calls = collections.Counter()
-    try:
-        block._build_cache(*args)
-        return _tracing.calls
-    finally:
-        _tracing.input_shapes, _tracing.prediction, _tracing.calls = None, False, None
-
-
-def _flatten(args):
-    for a in args:
-        if isinstance(a, (list, tuple)):
-            yield from _flatten(a)
-        else:
-            yield a
-
-
-def _use_graph_for_mode(block, args, training):
-    """Give ``block`` its cached graph for training (``training``) or for
-    prediction: two graphs where a SyncBatchNorm layer in it synchronizes.
-
-    A traced graph runs in both modes (MXNet passes the mode to each operator
-    at run time), so one graph would run a synchronizing layer's moments and
-    exchange in predict mode too. Such a block gets a second graph, traced
-    for prediction, in which each layer is ``BatchNorm`` with the running
-    statistics: the graph ``nn.BatchNorm`` would have. Both are traced at the
-    block's first call, whatever its mode, so that the threads of a
-    data-parallel step, which must not trace (MXNet's name scopes race),
-    find both. Gluon's own clearing (``hybridize()``, a new child, ``cast``)
-    drops both.
-
-    In static_shape graphs MXNet holds a call's running statistics as
-    read-only inputs (see ``mxnet_private``), so the engine does not order
-    a training call's update of them against a predict call's read: there
-    a predict call after training calls on its device is fenced
-    (:func:`_fence`)."""
-    graphs = block.__dict__.get('_gluon_syncbn_graphs')
-    if graphs is not None and block._cached_op is not graphs[graphs['mode']][_OP]:
-        graphs = block._gluon_syncbn_graphs = None  # cleared or rebuilt by Gluon
-    if block._cached_op is not None and _moved(block):
-        block._clear_cached_op()  # traced for the devices its layers lived on before
-        graphs = block._gluon_syncbn_graphs = None
-    if graphs is None:
-        if block._cached_op is not None:
-            return  # built with nothing synchronizing
-        calls = _build(block, args, prediction=False)
-        _note_placement(block)
-        if not _synchronizes(block):
-            return
-        static = bool(dict(block._flags).get('static_shape'))
-        # 'static': per device, the static training graph's native layers
-        # (None: its training graph is not static_shape); 'trained': the
-        # devices with training calls since their last predict call.
-        graphs = {'mode': True, True: [getattr(block, a) for a in _GRAPH_ATTRIBUTES],
-                  'calls': calls, 'static': {} if static else None, 'trained': set()}
-        block._clear_cached_op()
-        try:
-            _build(block, args, prediction=True)
-        except BaseException:
-            block._clear_cached_op()  # no half-built pair: the next call traces both again
-            raise
-        graphs[False] = [getattr(block, a) for a in _GRAPH_ATTRIBUTES]
-        graphs['mode'] = False
-        block._gluon_syncbn_graphs = graphs
-    if graphs['mode'] != training:
-        with _switch_lock:
-            if graphs['mode'] != training:
-                for name, value in zip(_GRAPH_ATTRIBUTES, graphs[training]):
-                    setattr(block, name, value)
-                graphs['mode'] = training
-
-
-# How many times a Parameter was placed on contexts (initialized, moved,
-# loaded onto others): a cached graph knows the layers' devices at its trace,
-# and checks them again only when this changed (:func:`_moved`).
-_placements = [0]
-
-
 def install_parameter_hook(parameter_class):
     """Count placements of Parameters (``_init_impl``: ``initialize``,
-    ``reset_ctx``, ``load_parameters(ctx=...)``)."""
+    ``reset_ctx``, ``load_parameters(ctx=...)``): a bound graph checks its
+    layers' devices again only when the count changed (``graphs``)."""
     if getattr(parameter_class, '_gluon_syncbn_hooked', False):
         return
     original = parameter_class._init_impl
 
     def _init_impl(self, *args, **kwargs):
-        _placements[0] += 1
+        graphs.note_placement()
         return original(self, *args, **kwargs)
 
     parameter_class._init_impl = _init_impl
     parameter_class._gluon_syncbn_hooked = True
 
 
-def _note_placement(block):
-    """Remember the contexts of the SyncBatchNorm layers ``block``'s graph
-    was traced for."""
-    block._gluon_syncbn_placement = [_placements[0]] + [
-        (b.gamma, b.gamma.list_ctx()) for b in blocks_of(block) if hasattr(b, '_backend_for')]
-
-
-def _moved(block):
-    """Whether a SyncBatchNorm layer of ``block`` lives on other contexts
-    than its cached graph was traced for (``reset_ctx``, ``initialize(...,
-    force_reinit=True)``, ``load_parameters(ctx=...)``): the graph holds the
-    layers' backends for those devices, and would wait for a device that no
-    longer calls, or refuse one that now does."""
-    placement = block.__dict__.get('_gluon_syncbn_placement')
-    if placement is None or placement[0] == _placements[0]:
-        return False
-    for param, contexts in placement[1:]:
-        try:
-            if param.list_ctx() is not contexts:
-                return True
-        except RuntimeError:  # not initialized any more
-            return True
-    placement[0] = _placements[0]
-    return False
-
-
-class _StaticLayers(object):
-    """A static_shape graph's native layers on one device, found once per
-    graph and device: their handles, device indices and running statistics."""
-
-    def __init__(self, graphs, ctx):
-        self.handles, self.devices, self.running = [], [], []
-        for backend in graphs['calls']:
-            if ctx in backend.devices:
-                device = backend.devices.index(ctx)
-                self.handles.append(backend.handle)
-                self.devices.append(device)
-                self.running += backend.running_arrays(device)
-
-
-def _static_layers(graphs, ctx):
-    found = graphs['static'].get(ctx)
-    if found is None:
-        found = graphs['static'][ctx] = _StaticLayers(graphs, ctx)
-    return found
-
-
-def _stamp_static(graphs, ctx, session):
-    """Before a static_shape graph's training calls on ``ctx`` are issued:
-    tell its layers the step they belong to, which its operators, made once,
-    cannot know: one engine operation on their engine variables, ordered
-    before the graph's calls (``gsbn_stamp_static``)."""
-    layers = _static_layers(graphs, ctx)
-    if layers.handles:
-        session.native.stamp_static(layers.handles, layers.devices)
-    graphs['trained'].add(ctx)
-
-
-def _fence(graphs, ctx, session):
-    """Before a static_shape block's predict-mode graph is issued on ``ctx``
-    after training calls there: its reads of the running statistics come
-    after those calls' updates, which the static graph made inside its
-    operators, as read-only inputs: one engine operation on the layers'
-    engine variables and running statistics (``gsbn_fence``). No thread
-    waits, so a device's predict call may come before another device's
-    training call of the same step."""
-    graphs['trained'].discard(ctx)
-    layers = _static_layers(graphs, ctx)
-    if layers.handles:
-        session.native.fence(layers.handles, layers.devices, layers.running)
-
-
 def install_cached_op_hook(hybrid_block_class, session, is_training):
-    """Before a cached graph with SyncBatchNorm layers runs: the graph of the
-    mode (:func:`_use_graph_for_mode`); a failed step's errors cleared; every
-    device checked to feed it one dtype in this step."""
+    """Before a cached graph runs: the block's graphs bound and the one of
+    the call's mode in place, the call prepared (``graphs.run_cached_op``);
+    a layer's refusal while the graph was bound or issued raised as ours."""
     if getattr(hybrid_block_class, '_gluon_syncbn_cached_op_hooked', False):
         return
     original = hybrid_block_class._call_cached_op
 
     def _call_cached_op(self, *args):
         try:
-            return _run_cached_op(self, args)
+            return graphs.run_cached_op(self, args, original, bool(is_training()), session)
         except (mx.base.MXNetError, ValueError) as exc:
-            # A layer's refusal, while the graph was traced or issued (its
+            # A layer's refusal, while the graph was bound or issued (its
             # shape or type inference): the devices issued before fail now.
             ours = exc if isinstance(exc, SyncBatchNormError) else ours_behind(exc)
             if ours is None:
@@ -392,65 +171,53 @@ def install_cached_op_hook(hybrid_block_class, session, is_training):
                 raise
             raise ours from exc
 
-    def _run_cached_op(self, args):
-        session.separate_this_thread()
-        training = bool(is_training())
-        _use_graph_for_mode(self, args, training)
-        session.clear_failed_arrays()
-        graphs = self.__dict__.get('_gluon_syncbn_graphs')
-        if graphs and training:
-            for backend in graphs['calls']:  # eps and momentum, as the user set them now
-                backend.follow_arguments()
-        if graphs and graphs['static'] is not None and args and hasattr(args[0], 'context'):
-            ctx = str(args[0].context)
-            if training:
-                _stamp_static(graphs, ctx, session)
-            elif ctx in graphs['trained']:
-                _fence(graphs, ctx, session)
-        layers = None
-        if args and hasattr(args[0], 'dtype') and training:
-            # The layers' names and device count, found again whenever the
-            # graph is rebuilt (convert_model and hybridize() after a first
-            # call rebuild it).
-            graph, layers = getattr(self, '_gluon_syncbn_layers', (None, None))
-            if layers is None or graph is not self._cached_op:
-                found = [b for b in blocks_of(self) if hasattr(b, '_backend_for')]
-                layers = (', '.join("'%s'" % b.name for b in found),
-                          len(found[0].gamma.list_ctx())) if found else ()
-                self._gluon_syncbn_layers = (self._cached_op, layers)
-        if layers:
-            names, num_devices = layers
-            session.check_dtypes(self, names, num_devices, args[0].context,
-                                 dtype_name(args[0].dtype))
-            if any(getattr(a, 'size', 1) == 0 for a in args):
-                # An empty slice: cached graphs divide by zero on size-0 input
-                # (reshape), so this call runs imperatively, where each
-                # SyncBatchNorm layer joins its exchanges with count 0.
-                return _forward_imperatively(self, args)
-        return original(self, *args)
-
     hybrid_block_class._call_cached_op = _call_cached_op
     hybrid_block_class._gluon_syncbn_cached_op_hooked = True
 
 
-def refuse_copy_of_graph(block):
-    """Raise if ``block``, which holds SyncBatchNorm layers, has a cached
-    graph: MXNet's CachedOp cannot be copied (nn.BatchNorm's network fails
-    there too, deep inside ``copy``: "ctypes objects containing pointers
-    cannot be pickled")."""
-    if block._cached_op is not None or block.__dict__.get('_gluon_syncbn_graphs'):
-        raise SyncBatchNormError(
-            "'%s' is hybridized and has run: its cached graph (MXNet's CachedOp) cannot be "
-            "copied, with SyncBatchNorm as with nn.BatchNorm layers. Copy it before its first "
-            "call, or call net.hybridize(False) first (it drops the graph; hybridize the copy "
-            "and the original again after)." % block.name)
+def install_export_hook(hybrid_block_class):
+    """``export()`` writes a block's traced graph without its marks
+    (``graphs.without_marks``): ``nn.BatchNorm``'s graph, whatever the last
+    call's mode, which plain MXNet loads."""
+    if getattr(hybrid_block_class.export, '_gluon_syncbn_hooked', False):
+        return
+    original = hybrid_block_class.export
+
+    def export(self, path, epoch=0, remove_amp_cast=True):
+        with graphs.without_marks(self):
+            return original(self, path, epoch, remove_amp_cast)
+
+    export.__doc__ = original.__doc__
+    export._gluon_syncbn_hooked = True
+    hybrid_block_class.export = export
 
 
-def deepcopy_as_default(obj, memo):
-    """What ``copy.deepcopy`` does for ``obj`` without a ``__deepcopy__``
-    (its ``__reduce_ex__``, which uses ``__getstate__``): Python's own
-    ``copy._reconstruct``."""
-    return copy._reconstruct(obj, memo, *obj.__reduce_ex__(4))  # pylint: disable=protected-access
+def install_unbound_graph_hooks(cached_op_class, executor_group_class):
+    """A CachedOp that no block's call builds (``mx.nd.CachedOp``,
+    ``optimize_for``) from a graph whose layers synchronize, and a Module on
+    several contexts running marked layers, are refused at once
+    (``graphs.check_cached_op``, ``graphs.check_module``): both would run
+    each layer as a BatchNorm of each device's slice."""
+    if getattr(cached_op_class, '_gluon_syncbn_hooked', False):
+        return
+    cached_op_init = cached_op_class.__init__
+    group_init = executor_group_class.__init__
+
+    def __init__(self, sym, *args, **kwargs):
+        try:
+            graphs.check_cached_op(sym)
+        except SyncBatchNormError:
+            self.handle = None  # what __del__ frees: nothing (MXNet deletes a null handle)
+            raise
+        cached_op_init(self, sym, *args, **kwargs)
+
+    def group__init__(self, symbol, contexts, *args, **kwargs):
+        graphs.check_module(symbol, contexts)
+        group_init(self, symbol, contexts, *args, **kwargs)
+
+    cached_op_class.__init__ = __init__
+    executor_group_class.__init__ = group__init__
+    cached_op_class._gluon_syncbn_hooked = True
 
 
 def install_deepcopy_hook(hybrid_block_class):
@@ -461,53 +228,11 @@ def install_deepcopy_hook(hybrid_block_class):
         return
 
     def __deepcopy__(self, memo):
-        if any(hasattr(b, '_backend_for') for b in blocks_of(self)):
+        if graphs.holds_layers(self):
             refuse_copy_of_graph(self)
         return deepcopy_as_default(self, memo)
 
     hybrid_block_class.__deepcopy__ = __deepcopy__
-
-
-# MXNet's refusal of a higher-order gradient through our layers where their
-# own operators cannot say it: a CachedOp's (a hybridized network's, or the
-# GPU path's imperative call's, whose advice about hybridize is wrong for a
-# network that was not hybridized).
-_NO_HIGHER_ORDER = 'CachedOp does not support higher order gradients'
-
-
-def _as_ours(exc, heads, session):
-    """The SyncBatchNorm failure behind MXNet's error ``exc``, raised by
-    ``autograd.grad``/``backward`` of ``heads``, or None: a layer's own
-    refusal, or MXNet's of a higher-order gradient where SyncBatchNorm
-    layers synchronize, naming the layers ``heads`` were computed through
-    (a graph run as a CachedOp does not show its operators: then every layer
-    that synchronizes)."""
-    ours = exc if isinstance(exc, SyncBatchNormError) else ours_behind(exc)
-    unnamed = ours is not None and "SyncBatchNorm '?'" in str(ours)
-    if ours is not None and not unnamed:
-        return None if ours is exc else ours
-    if not unnamed and (not session.active()
-                        or _NO_HIGHER_ORDER not in str(exc)):
-        return None
-    names = _layers_in(heads, session) or sorted(
-        {b.layer_name for b in session.live_backends()})
-    ours = SyncBatchNormError(messages.text('no_higher_order', layer="', '".join(names)))
-    ours.__cause__ = exc
-    return ours
-
-
-def _layers_in(heads, session):
-    """The names of the SyncBatchNorm layers whose operators the graph
-    ``heads`` were computed through shows (by the layers' handles)."""
-    import json  # pylint: disable=import-outside-toplevel
-    handles = set()
-    for head in heads if isinstance(heads, (list, tuple)) else [heads]:
-        try:
-            nodes = json.loads(mx.autograd.get_symbol(head).tojson())['nodes']
-        except Exception:  # pylint: disable=broad-except
-            continue
-        handles.update(n.get('attrs', {}).get('layer') for n in nodes)
-    return sorted(b.layer_name for b in session.live_backends() if str(b.handle) in handles)
 
 
 def install_grad_hooks(autograd_module, ndarray_class, session):
@@ -526,7 +251,7 @@ def install_grad_hooks(autograd_module, ndarray_class, session):
             try:
                 return function(*args, **kwargs)
             except mx.base.MXNetError as exc:
-                ours = _as_ours(exc, heads_of(*args, **kwargs), session)
+                ours = as_ours(exc, heads_of(*args, **kwargs), session)
                 if ours is None:
                     raise
                 raise ours from exc
@@ -603,18 +328,20 @@ def install():
     install_step_hooks(mx.autograd, SESSION)
     install_exit_abort_hook(SESSION, mx.nd.waitall)
     install_cached_op_hook(mx.gluon.HybridBlock, SESSION, mx.autograd.is_training)
+    install_export_hook(mx.gluon.HybridBlock)
+    install_unbound_graph_hooks(mx.nd.CachedOp, mx.module.executor_group.DataParallelExecutorGroup)
     install_parameter_hook(mx.gluon.Parameter)
     install_deepcopy_hook(mx.gluon.HybridBlock)
     install_grad_hooks(mx.autograd, mx.nd.NDArray, SESSION)
     install_trainer_hook(mx.gluon.Trainer, SESSION, mx.nd.waitall)
     install_read_hooks(mx.nd.NDArray, (mx.nd, mx.nd.ndarray), SESSION)
-
+    transport.use_patches(install_exit_guard, wrap_kvstore)
 
 
 # ------------------------------------------ Python's exit and a user's kvstore --
-# Installed by transport.py for a cross-process layer (the policy, what to do
-# at exit and under which lock, stays there); here because they patch code
-# that is not ours.
+# Handed to transport.py (``install``), which installs them for a
+# cross-process layer: the policy, what to do at exit and under which lock,
+# stays there; the patches of code that is not ours are here.
 
 def install_exit_guard(note_failure, at_exit):
     """Once per process: ``at_exit()`` runs at interpreter exit, and

@@ -47,33 +47,54 @@ Failures
 
 Class patches (``hooks``, installed by the package's ``__init__``: ``hooks.install``)
     ``autograd._RecordingStateScope.__exit__`` (an exception aborts the
-    step; its own fields are not read), ``autograd.set_recording`` and ``set_training`` (module functions
-    the scopes call by name: steps begin where a thread starts recording or
-    training), ``NDArray.asnumpy``, ``NDArray.wait_to_read`` and
-    ``mx.nd.waitall`` (a read notes that its thread waits),
-    ``HybridBlock._call_cached_op``, and an ``atexit`` handler that must run
-    before MXNet's own.
+    step; its own fields are not read), ``autograd.set_recording`` and
+    ``set_training`` (module functions the scopes call by name: steps begin
+    where a thread starts recording or training), ``NDArray.asnumpy``,
+    ``NDArray.wait_to_read`` and ``mx.nd.waitall`` (a read notes that its
+    thread waits), ``HybridBlock._call_cached_op`` (which
+    ``SymbolBlock.forward`` calls for every NDArray call),
+    ``HybridBlock.export``, ``CachedOp.__init__``,
+    ``module.executor_group.DataParallelExecutorGroup.__init__``, and an
+    ``atexit`` handler that must run before MXNet's own.
     ``HybridBlock._active`` is lowered for one call with an empty input, so
-    the tree runs imperatively (``hooks._forward_imperatively``).
-    A hybridized block keeps a graph for each mode (``hooks._use_graph_for_mode``):
-    Gluon's ``_build_cache`` and ``_clear_cached_op``, the attributes that make
-    up a cached graph (``_cached_graph``, ``_cached_op``, ``_cached_op_args``,
-    ``_in_format``, ``_out_format``), ``_flags`` (``static_shape``), and the
-    names its trace gives the block's inputs (``data``, or ``data0``,
-    ``data1``, ...: ``hooks.traced_ndim``).
+    the tree runs imperatively (``graphs.imperatively``).
+    A block keeps a graph for each mode (``graphs``): Gluon's ``_build_cache``
+    (which traces, finishes a deferred initialization and builds a CachedOp
+    of ``_cached_graph``, whatever Symbol that holds: the training graph is
+    built with it swapped in) and ``_clear_cached_op`` (SymbolBlock's keeps
+    ``_cached_graph``), the attributes that make up a cached graph
+    (``_cached_graph``, ``_cached_op``, ``_cached_op_args``: ``(is_arg,
+    Parameter)`` pairs, ``_in_format``, ``_out_format``), ``_flags``
+    (``static_shape``), ``_backend`` (a partitioned graph replaces
+    ``_cached_graph``), and ``export``, which writes ``_cached_graph[1]``.
     ``Trainer._init_params`` (the first step's broadcast of every parameter
     from device 0) first drains the engine where ``Trainer._params_to_init``
     (the parameters it has yet to broadcast) is not empty
     (``hooks.install_trainer_hook``).
     ``Parameter._init_impl`` (initialize, ``reset_ctx``, a load onto other
-    contexts) is counted (``hooks.install_parameter_hook``), and a cached
-    graph compares ``Parameter.list_ctx()`` with the list it was traced for.
+    contexts) is counted (``hooks.install_parameter_hook``), and a bound
+    graph compares ``Parameter.list_ctx()`` with the list it was bound for.
     ``HybridBlock.__deepcopy__`` (Gluon defines none) refuses a network with
     a cached graph and SyncBatchNorm layers, else copies as Python does
     (``copy._reconstruct``); ``autograd.grad``, ``autograd.backward`` and
     ``NDArray.backward`` raise our error for a higher-order gradient MXNet
-    refuses through our layers (``hooks.install_grad_hooks``), reading the
-    recorded graph (``autograd.get_symbol``) for the layers' handles.
+    refuses through our layers (``hooks.install_grad_hooks``,
+    ``backward_errors``), reading the recorded graph
+    (``autograd.get_symbol``) for the layers' handles and for the autograd
+    variables of their gamma and beta, which MXNet names ``var<N>`` once,
+    when ``attach_grad`` marks them (``Imperative::MarkVariables``).
+
+Traced graphs (``traced``, ``graphs``)
+    A node's attributes whose keys start with ``__`` are skipped by MXNet's
+    operator parameter parsers (``dmlc::parameter::kAllowHidden``), so the
+    mark on a layer's ``BatchNorm`` node leaves plain MXNet's reading of it
+    alone; ``Symbol.tojson`` drops AMP's casts unless
+    ``remove_amp_cast=False``, and ``mx.sym.load_json`` rebuilds a graph from
+    that JSON (nodes, ``inputs`` as ``[node, output, version]``, ``heads``,
+    ``arg_nodes``; ``node_row_ptr`` left out). A SymbolBlock shares
+    Parameters given to it (``ParameterDict('', params)``) and makes its own
+    for the rest; GluonCV's feature extractors pass the backbone's
+    ``collect_params()``.
 
 The layer's base (``block.SyncBatchNorm``, ``convert.py``)
     ``nn.BatchNorm``'s constructor makes the parameters and ``_kwargs`` the
@@ -86,7 +107,9 @@ The layer's base (``block.SyncBatchNorm``, ``convert.py``)
     has data (``precise_bn``, which refuses layers without running
     statistics).
     ``nn.BatchNormReLU`` and other batch-norm blocks are found as subclasses
-    of Gluon's private ``_BatchNorm``. A native operator's backward node
+    of Gluon's private ``_BatchNorm``. A shadow layer (``SyncBatchNorm.shadow``)
+    adopts a block's Parameters through ``Block._reg_params`` and
+    ``ParameterDict._params``. A native operator's backward node
     refuses its own gradient (``FGradient``, ``sync_call.h``
     no_higher_order), reading the layer from its forward node, the backward
     node's control dependency, where MXNet keeps it.
@@ -134,7 +157,7 @@ Python (``hooks.install_exit_guard``, at the first cross-process layer's constru
     worker learns how its script ended and ends at once when it failed
     (``transport._at_exit``).
 
-Block trees (``hooks.blocks_of``, ``convert.py``)
+Block trees (``graphs.blocks_of``, ``convert.py``)
     ``Block._children``, the ordered children of a block, walked to find and
     replace layers.
 

@@ -30,9 +30,9 @@ import numpy as np
 from mxnet import autograd, gluon
 from mxnet.util import is_np_array, is_np_shape
 
-from .block import SyncBatchNorm
+from .block import is_sync_batchnorm
 from .errors import SyncBatchNormError, warn_user
-from .hooks import blocks_of, imperatively
+from .graphs import blocks_of, graph_batchnorms, imperatively, layers_of
 from .session import drain
 from .tally import Tally
 
@@ -129,6 +129,16 @@ def _run(net, tallies, batches, ctx_list, batch_axis, bar):
     layers' tallies on; whether ``batches`` ended (not another worker's)."""
     # Imperatively where a pre-hook must see a layer's input.
     imperative = any(isinstance(t, _LocalTally) for t in tallies)
+    graph_only = [b for b in blocks_of(net) if isinstance(b, gluon.SymbolBlock)]
+    if imperative and graph_only:
+        raise SyncBatchNormError(
+            "%s: '%s' is a SymbolBlock, which runs only as a graph, and layer(s) %s do not "
+            "synchronize (one device in one process, or nn.BatchNorm): their statistics are "
+            "tallied from their input, which only an imperative run shows. Run "
+            "update_bn_stats with the network on several devices (each SyncBatchNorm layer "
+            "then tallies inside the graph), or on the network's Python model." % (
+                NAME, graph_only[0].name,
+                ', '.join("'%s'" % t.layer.name for t in tallies if isinstance(t, _LocalTally))))
     contexts = tallies[0].contexts
     agree = _agreement(tallies)
     for t in tallies:
@@ -188,10 +198,22 @@ def _agreement(tallies):
 
 def _batchnorm_layers(net):
     """The batch-norm layers of ``net`` that normalize with batch statistics
-    in training mode, each once."""
-    seen, found = set(), []
+    in training mode, each once: those of its tree, and the SyncBatchNorm
+    layers its SymbolBlocks' graphs run (the layers that traced them, or
+    their shadows: see ``graphs``). A SymbolBlock's BatchNorm operators of
+    no layer cannot be tallied: an error names them."""
     for block in blocks_of(net):
-        if id(block) in seen or not isinstance(block, (SyncBatchNorm, gluon.nn.BatchNorm)):
+        plain = graph_batchnorms(block)
+        if plain:
+            raise SyncBatchNormError(
+                "%s: '%s' is a SymbolBlock whose graph holds BatchNorm operator(s) %s of no "
+                "SyncBatchNorm layer, which update_bn_stats cannot tally. Convert them first "
+                "(gluon_syncbn.convert_model(net)), or run it on the network's Python model."
+                % (NAME, block.name, ', '.join("'%s'" % n for n in plain)))
+    seen, found = set(), []
+    candidates = [b for b in blocks_of(net) if isinstance(b, gluon.nn.BatchNorm)]
+    for block in candidates + layers_of(net):
+        if id(block) in seen:
             continue
         seen.add(id(block))
         if block._kwargs.get('use_global_stats'):
@@ -211,7 +233,7 @@ def _batchnorm_layers(net):
 
 
 def _tally_of(layer):
-    backend = layer._training_backend() if isinstance(layer, SyncBatchNorm) else None
+    backend = layer._training_backend() if is_sync_batchnorm(layer) else None
     return _SyncedTally(layer, backend) if backend is not None else _LocalTally(layer)
 
 

@@ -33,7 +33,6 @@ import weakref
 
 from . import messages
 from .errors import SyncBatchNormError
-from .hooks import install_exit_guard, wrap_kvstore
 from .session import drain
 
 __all__ = ['LocalTransport', 'KVStoreTransport', 'HorovodTransport', 'make_transport']
@@ -111,6 +110,20 @@ class _CrossProcessTransport(object):
         return lacking
 
 
+# ------------------------------------------------------------ the patches --
+# Python's exit and the user's kvstore are patched by hooks (where every patch
+# of code that is not ours lives), which hands the two installers over at
+# import (hooks.install): hooks imports the layer, and the layer this module,
+# so this module does not import hooks.
+_patches = {}
+
+
+def use_patches(install_exit_guard, wrap_kvstore):
+    """Called by ``hooks.install``: ``install_exit_guard(note_failure,
+    at_exit)`` and ``wrap_kvstore(kvstore, lock, refusal)``."""
+    _patches.update(install_exit_guard=install_exit_guard, wrap_kvstore=wrap_kvstore)
+
+
 # ------------------------------------------------------- the process's end --
 # A worker's exit must not wait for the other workers when they cannot come:
 # ps-lite's final barrier (and MXNet's wait for pending operations) would
@@ -125,7 +138,7 @@ def _guard_exit(rank):
     """Once per process, at the first cross-process layer's construction:
     :func:`_at_exit` runs at interpreter exit, and the script's end is noted
     where it is a failure (``hooks.install_exit_guard``)."""
-    install_exit_guard(_note_failure, functools.partial(_at_exit, rank))
+    _patches['install_exit_guard'](_note_failure, functools.partial(_at_exit, rank))
 
 
 def _note_failure(code, cause):
@@ -188,7 +201,7 @@ class KVStoreTransport(_CrossProcessTransport):
         # MXNet's dist kvstore front end keeps per-key buffers in unguarded
         # maps (hooks.wrap_kvstore says more).
         self._store_lock = _StoreLock(self)
-        wrap_kvstore(kvstore, self._store_lock, SyncBatchNormError(
+        _patches['wrap_kvstore'](kvstore, self._store_lock, SyncBatchNormError(
             messages.text('compression', transport=self.name) + '.'))
 
     def _make_native(self, lib):

@@ -3,6 +3,7 @@
 MXNet never runs in the pytest process for multi-device work: a wedged engine
 then costs one test (killed at its deadline), not the whole suite.
 """
+import importlib.util
 import json
 import os
 import subprocess
@@ -121,3 +122,13 @@ def operator(request, monkeypatch):
 
 def pytest_configure(config):
     config.addinivalue_line('markers', 'slow: long multi-device runs (still part of CI)')
+
+
+# GluonCV's own code where it is installed (.ci/run installs it and sets
+# GLUON_SYNCBN_REQUIRE_GLUONCV, which makes its absence an error).
+GLUONCV = None if importlib.util.find_spec('gluoncv') else (
+    'gluoncv is not installed: pip install --no-deps gluoncv==0.10.5.post0 scipy==1.15.3 '
+    'portalocker==4.4.2 (.ci/run does)')
+if GLUONCV and os.environ.get('GLUON_SYNCBN_REQUIRE_GLUONCV'):
+    raise RuntimeError('GLUON_SYNCBN_REQUIRE_GLUONCV is set but ' + GLUONCV)
+needs_gluoncv = pytest.mark.skipif(bool(GLUONCV), reason=GLUONCV or '')

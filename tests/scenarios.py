@@ -71,8 +71,8 @@ def layer_vs_reference(shape, sizes, axis=1, dtype='float32', hybridize=False, s
     Returns the worst relative error per quantity over all steps.
     """
     if ndim_unknown:
-        from gluon_syncbn.backends import vector_graph
-        vector_graph.traced_ndim = lambda symbol: None
+        from gluon_syncbn import graphs
+        graphs.traced_ndim = lambda shape: None
     if numpy_mode:
         with mx.util.np_shape(True), mx.util.np_array(True):
             errs = _layer_vs_reference(shape, sizes, axis, dtype, hybridize, steps, offset,
@@ -1232,6 +1232,18 @@ def new_device_set(change='reset_ctx', before=4, after=2, hybridize=True, steps=
                 operator=net.bn1._sync_backend.name)
 
 
+def _second_order(net, xs):
+    """A second-order gradient through ``net`` on each device's ``xs``:
+    ``autograd.grad(..., create_graph=True)``, then a backward through it."""
+    for a in xs:
+        a.attach_grad()
+    with autograd.record():
+        outs = [net(a) for a in xs]
+        grads = [autograd.grad((o * o).sum(), [a], create_graph=True)[0]
+                 for o, a in zip(outs, xs)]
+    autograd.backward([g.sum() for g in grads])
+
+
 @scenario
 def drop_in(hybridize=False, seed=0):
     """What users' code does with an nn.BatchNorm besides calling it, on
@@ -1301,16 +1313,7 @@ def drop_in(hybridize=False, seed=0):
     gammas = [fixed.gamma.data(c).asnumpy().tolist() for c in ctxs]
 
     xs = [mx.nd.array(p, ctx=c) for p, c in zip(split_batch(x, [2, 2]), ctxs)]
-    for a in xs:
-        a.attach_grad()
-
-    def second_order():
-        with autograd.record():
-            outs = [net(a) for a in xs]
-            grads = [autograd.grad((o * o).sum(), [a], create_graph=True)[0]
-                     for o, a in zip(outs, xs)]
-        autograd.backward([g.sum() for g in grads])
-    second, second_type, _ = _capture(second_order)
+    second, second_type, _ = _capture(lambda: _second_order(net, xs))
     ys, y64 = train(net, (rng.randn(4, 3, 4, 4) + 1e3).astype(np.float32))
     errs.note('after', np.concatenate([y.asnumpy() for y in ys]), y64)
     return dict(errs, refused=refused, gammas=gammas, second=second, second_type=second_type,
@@ -1643,8 +1646,13 @@ def engine_operations(step, calls=3):
     """Engine operations per call of ``step``, counted by MXNet's profiler
     (each operator pushed alone, each bulked segment, each engine variable
     deleted, each operation our operators push)."""
+    import gc
     import json as json_
     from mxnet import profiler
+    # What earlier cases left for the garbage collector is freed now, not
+    # inside the counted calls (each freed array is an engine operation).
+    gc.collect()
+    mx.nd.waitall()
     profiler.set_config(profile_all=True, aggregate_stats=True, filename=os.devnull)
     profiler.set_state('run')
     for _ in range(calls):
@@ -2038,7 +2046,7 @@ def _interrupted(batches, after, problem):
 
 @scenario
 def precise_bn(sizes=(3, 5), hybridize=False, second='sync', batches=4, dtype='float32',
-               sync_groups=None, loader=False, interrupt=None, seed=0):
+               sync_groups=None, loader=False, interrupt=None, symbol_block=False, seed=0):
     """gluon_syncbn.update_bn_stats on _PreciseNet after two Trainer steps
     issued without waiting, over ``batches`` random batches of random scale
     and offset split ``sizes`` (a 0: an empty slice, in NumPy shape mode),
@@ -2049,7 +2057,9 @@ def precise_bn(sizes=(3, 5), hybridize=False, second='sync', batches=4, dtype='f
     arrays (weights, gradients, Trainer state) changed.
     ``interrupt``: the run stops half-way (:func:`_interrupted`); then also
     whether every running statistic is as before, what was raised with
-    which note, and the errors of a second, complete run."""
+    which note, and the errors of a second, complete run. ``symbol_block``:
+    the network traced into a SymbolBlock sharing its Parameters (GluonCV's
+    feature extractors), which trains and is updated instead."""
     if 0 in sizes:
         mx.util.set_np_shape(True)
     rng = np.random.RandomState(seed)
@@ -2061,15 +2071,19 @@ def precise_bn(sizes=(3, 5), hybridize=False, second='sync', batches=4, dtype='f
     net.bn1.beta.set_data(mx.nd.array(rng.uniform(-0.5, 0.5, channels)))
     if dtype != 'float32':
         net.cast(dtype)
-    if hybridize:
-        net.hybridize(static_alloc=hybridize == 'static', static_shape=hybridize == 'static')
+    runner = net
+    if symbol_block:
+        data = mx.sym.var('data')
+        runner = gluon.SymbolBlock(net(data), data, params=net.collect_params())
+    if hybridize or symbol_block:
+        runner.hybridize(static_alloc=hybridize == 'static', static_shape=hybridize == 'static')
     trainer = gluon.Trainer(net.collect_params(), 'sgd', {'learning_rate': 0.1,
                                                           'momentum': 0.9})
     for _ in range(2):  # not waited for: update_bn_stats must wait for these
         x = (rng.randn(sum(sizes), channels, 4, 4) * 2 + 1).astype(dtype)
         xs = [mx.nd.array(p, ctx=c, dtype=dtype) for p, c in zip(split_batch(x, sizes), ctxs)]
         with autograd.record():
-            losses = [(net(a) ** 2).mean() for a in xs]
+            losses = [(runner(a) ** 2).mean() for a in xs]
         autograd.backward(losses)
         trainer.step(sum(sizes))
     mx.nd.waitall()
@@ -2089,7 +2103,7 @@ def precise_bn(sizes=(3, 5), hybridize=False, second='sync', batches=4, dtype='f
     if interrupt:
         start = time.time()
         try:
-            gluon_syncbn.update_bn_stats(net, _interrupted(data, 2, interrupt), batches)
+            gluon_syncbn.update_bn_stats(runner, _interrupted(data, 2, interrupt), batches)
         except BaseException as exc:  # pylint: disable=broad-except
             result['raised'] = type(exc).__name__
             result['message'] = str(exc)
@@ -2099,7 +2113,7 @@ def precise_bn(sizes=(3, 5), hybridize=False, second='sync', batches=4, dtype='f
             (a == b).all() for mine, kept in zip(_running_statistics(net, ctxs), before)
             for a, b in zip(mine, kept)))
     kwargs = dict(ctx_list=ctxs) if loader else {}
-    result['used'] = gluon_syncbn.update_bn_stats(net, data, batches, **kwargs)
+    result['used'] = gluon_syncbn.update_bn_stats(runner, data, batches, **kwargs)
     got = _running_statistics(net, ctxs)
     groups = None
     if sync_groups is not None:
@@ -2119,6 +2133,459 @@ def precise_bn(sizes=(3, 5), hybridize=False, second='sync', batches=4, dtype='f
     result['changed'] = sorted(k for k in others if not (others[k] == after[k]).all())
     result['momentum'] = [net.bn1._kwargs['momentum'], net.bn2._kwargs['momentum']]
     return result
+
+
+# ------------------------------------------- traced graphs and SymbolBlocks
+def _backbone(norm, prefix='bb_'):
+    """BN on the input (far from zero: its statistics are exact in float64),
+    then three conv + BN + relu stages, the last two with stride 2 (8x8,
+    4x4, 2x2 maps): a backbone GluonCV's feature extractors take."""
+    net = gluon.nn.HybridSequential(prefix=prefix)
+    with net.name_scope():
+        net.add(norm(in_channels=3),
+                gluon.nn.Conv2D(8, 3, padding=1, use_bias=False, in_channels=3),
+                norm(in_channels=8),
+                gluon.nn.Activation('relu'),
+                gluon.nn.Conv2D(8, 3, strides=2, padding=1, use_bias=False, in_channels=8),
+                norm(in_channels=8, momentum=0.8), gluon.nn.Activation('relu'),
+                gluon.nn.Conv2D(8, 3, strides=2, padding=1, use_bias=False, in_channels=8),
+                norm(in_channels=8, epsilon=1e-3), gluon.nn.Activation('relu'))
+    return net
+
+
+def _feature_block(kind, backbone):
+    """``backbone`` traced into a SymbolBlock: by hand (``'hand'``: sharing
+    its Parameters; ``'hand_own'``: Parameters of its own), GluonCV's
+    FeatureExpander (``'expander'``; ``'expander_bn'`` with its own BatchNorm
+    operators) or FPNFeatureExpander (``'fpn'``)."""
+    if kind in ('hand', 'hand_own'):
+        data = mx.sym.var('data')
+        internals = backbone(data).get_internals()
+        outputs = [internals['bb_relu1_fwd_output'], internals['bb_relu2_fwd_output']]
+        return gluon.SymbolBlock(outputs, data, params=backbone.collect_params()
+                                 if kind == 'hand' else None)
+    from gluoncv.nn.feature import FeatureExpander, FPNFeatureExpander
+    if kind == 'fpn':
+        return FPNFeatureExpander(backbone, ['relu0_fwd', 'relu1_fwd', 'relu2_fwd'],
+                                  num_filters=[8, 8, 8])
+    return FeatureExpander(backbone, ['relu1_fwd', 'relu2_fwd'], num_filters=[8],
+                           use_bn=kind == 'expander_bn', min_depth=8)
+
+
+def _set_weights(block, rng):
+    """Every Parameter of ``block`` (initialized, or waiting for its shape)
+    set to values a trained network might have, the same on each of its
+    contexts."""
+    params = block.collect_params()
+    if any(not p.shape or not all(p.shape) for p in params.values()):
+        block.infer_shape(mx.nd.zeros((1, 3, 8, 8)))  # a SymbolBlock's own Parameters
+    for name, p in sorted(params.items()):
+        if name.endswith('gamma'):
+            value = rng.uniform(0.5, 1.5, p.shape)
+        elif name.endswith('running_var') or name.endswith('moving_var'):
+            value = rng.uniform(0.5, 2.0, p.shape)
+        elif name.endswith('weight'):
+            value = rng.randn(*p.shape) * 0.3
+        else:
+            value = rng.uniform(-0.5, 0.5, p.shape)
+        p.set_data(mx.nd.array(value, dtype=p.dtype))
+
+
+def _values(params):
+    """Every Parameter's value by name (set, or waiting for a first call:
+    a SymbolBlock's own Parameters)."""
+    values = {}
+    for name, p in params.items():
+        try:
+            values[name] = p.data(p.list_ctx()[0]).asnumpy()
+        except gluon.parameter.DeferredInitializationError:
+            values[name] = p._deferred_init[3].asnumpy()  # what set_data gave it
+    return values
+
+
+def _twin64(kind, values):
+    """The same graph with nn.BatchNorm, on one context, in float64, with
+    ``values`` (by name): nn.BatchNorm on the whole batch."""
+    twin = _feature_block(kind, _backbone(gluon.nn.BatchNorm))
+    params = twin.collect_params()
+    params.initialize(ctx=mx.cpu(0))
+    twin.cast('float64')
+    for name, p in params.items():
+        p.set_data(mx.nd.array(values[name], dtype='float64'))
+    return twin
+
+
+def _twin_dtype(net):
+    """The dtype of ``net``'s parameters."""
+    return np.dtype(next(iter(net.collect_params().values())).dtype).name
+
+
+def _unfused(symbol):
+    """``symbol`` with each BatchNormWithReLU node (MKL-DNN's only: no
+    float64) as BatchNorm then relu: a float64 twin can run it."""
+    graph = json.loads(symbol.tojson())
+    nodes, where = [], {}
+    for i, node in enumerate(graph['nodes']):
+        node = dict(node, inputs=[[where[e[0]]] + list(e[1:]) for e in node['inputs']])
+        if node['op'] == '_contrib_BatchNormWithReLU':
+            nodes.append(dict(node, op='BatchNorm'))
+            node = {'op': 'Activation', 'name': node['name'] + '_relu',
+                    'attrs': {'act_type': 'relu'}, 'inputs': [[len(nodes) - 1, 0, 0]]}
+        nodes.append(node)
+        where[i] = len(nodes) - 1
+    graph = {'nodes': nodes, 'heads': [[where[h[0]]] + list(h[1:]) for h in graph['heads']],
+             'arg_nodes': [k for k, n in enumerate(nodes) if n['op'] == 'null'],
+             'attrs': graph.get('attrs', {})}
+    return mx.sym.load_json(json.dumps(graph))
+
+
+def _as_list(out):
+    return list(out) if isinstance(out, (list, tuple)) else [out]
+
+
+def _graph_step(net, xs, dys):
+    """A forward and backward pass of ``net`` on each device's ``xs`` with
+    head gradients ``dys`` (one per output); returns the outputs."""
+    with autograd.record():
+        outs = [_as_list(net(a)) for a in xs]
+    autograd.backward([o for out in outs for o in out], [d for ds in dys for d in ds])
+    return outs
+
+
+def _compare_step(errs, key, net, twin, x, sizes, ctxs, rng):
+    """One step of ``net`` on ``x`` split ``sizes`` over ``ctxs`` and of its
+    float64 twin on the whole batch, from the same values: outputs,
+    every Parameter's gradient (summed over devices) and every device's
+    running statistics."""
+    dtype = _twin_dtype(twin)
+    with autograd.predict_mode():
+        shapes = [o.shape for o in _as_list(twin(mx.nd.array(x[:1], dtype=dtype)))]
+    dys = [rng.randn(len(x), *shape[1:]) for shape in shapes]
+    xs = [mx.nd.array(p, ctx=c) for p, c in zip(split_batch(x, sizes), ctxs)]
+    parts = [split_batch(d, sizes) for d in dys]
+    outs = _graph_step(net, xs, [[mx.nd.array(parts[k][i], ctx=c) for k in range(len(dys))]
+                                 for i, c in enumerate(ctxs)])
+    with autograd.record():
+        outs64 = _as_list(twin(mx.nd.array(x, dtype=dtype)))
+    autograd.backward(outs64, [mx.nd.array(d, dtype=dtype) for d in dys])
+    for k, out64 in enumerate(outs64):
+        errs.note(key + '_out', np.concatenate([o[k].asnumpy() for o in outs]), out64.asnumpy())
+    theirs = twin.collect_params()
+    for name, p in net.collect_params().items():
+        want = theirs[name]
+        if p.grad_req != 'null':
+            errs.note(key + '_grad', sum(p.grad(c).asnumpy().astype(np.float64) for c in ctxs),
+                      want.grad().asnumpy())
+        if 'running' in name or 'moving' in name:
+            for c in ctxs:
+                errs.note(key + '_running', p.data(c).asnumpy(), want.data().asnumpy())
+
+
+@scenario
+def traced_backbone(kind='hand', order='initall', hybridize=True, sizes=(3, 2, 2), steps=2,
+                    export_to=None, seed=0):
+    """A converted backbone traced into a SymbolBlock (:func:`_feature_block`),
+    trained on len(sizes) contexts on data 1e3 from zero, against the same
+    graph with nn.BatchNorm in float64 on the whole batch, after ``order``:
+    ``'initall'`` (the backbone initialized on every context before the
+    trace), ``'init1'`` (on one, then ``reset_ctx``), ``'uninit'`` (never
+    initialized before the trace), ``'load_after'`` (the weights loaded onto
+    every context after the trace), ``'run1_then_all'`` (a training call on
+    one context first, then ``reset_ctx``). Then a predict call, and (on 3
+    contexts or more) a step after a move to two. ``export_to``: the
+    SymbolBlock exported there, with a test input and its predictions."""
+    import warnings as warnings_
+    from gluon_syncbn import convert_model
+    rng = np.random.RandomState(seed)
+    ctxs = contexts(len(sizes))
+    one = [mx.cpu(0)]
+    backbone = convert_model(_backbone(gluon.nn.BatchNorm), timeout=60)
+    if order == 'initall':
+        backbone.initialize(ctx=ctxs)
+    elif order in ('init1', 'run1_then_all'):
+        backbone.initialize(ctx=one)
+    feat = _feature_block(kind, backbone)
+    if kind == 'expander_bn':
+        convert_model(feat, timeout=60)
+    params = feat.collect_params()
+    with warnings_.catch_warnings():
+        warnings_.simplefilter('ignore')  # the backbone's, initialized already
+        if order == 'load_after':
+            source = _feature_block(kind, _backbone(gluon.nn.BatchNorm))
+            source.collect_params().initialize(ctx=one)
+            _set_weights(source, rng)
+            source(mx.nd.zeros((1, 3, 8, 8)))  # its own Parameters get their values
+            path = os.path.join(export_to or '/tmp', 'gluon_syncbn_weights_%d.params' % os.getpid())
+            source.collect_params().save(path)
+            params.load(path, ctx=ctxs)
+            os.remove(path)
+        else:
+            params.initialize(ctx=one if order in ('init1', 'run1_then_all') else ctxs)
+            _set_weights(feat, rng)
+    _hybridize(feat, hybridize)
+    if order == 'run1_then_all':
+        x = (rng.randn(2, 3, 8, 8) + 1e3).astype(np.float32)
+        _graph_step(feat, [mx.nd.array(x)], [[mx.nd.ones_like(o) for o in
+                                              _as_list(feat(mx.nd.array(x)))]])
+    if order in ('init1', 'run1_then_all'):
+        params.reset_ctx(ctxs)
+    twin = _twin64(kind, _values(params))
+    _hybridize(twin, hybridize)
+    errs = WorstErrors()
+    for _ in range(steps):
+        x = (rng.randn(sum(sizes), 3, 8, 8) + 1e3).astype(np.float32)
+        _compare_step(errs, 'step', feat, twin, x, sizes, ctxs, rng)
+    graphs = feat._gluon_syncbn_graphs
+    result = dict(layers=len(graphs.backends), operator=sorted({b.name for b in graphs.backends}),
+                  shadows=len(getattr(feat, '_gluon_syncbn_shadows', ())))
+    test = (rng.randn(3, 3, 8, 8) + 1e3).astype(np.float32)
+    with autograd.predict_mode():
+        mine = [o.asnumpy() for o in _as_list(feat(mx.nd.array(test, ctx=ctxs[-1])))]
+        for m, o in zip(mine, _as_list(twin(mx.nd.array(test, dtype=_twin_dtype(twin))))):
+            errs.note('predict', m, o.asnumpy())
+    if len(sizes) >= 3:
+        params.reset_ctx(ctxs[:2])
+        x = (rng.randn(5, 3, 8, 8) + 1e3).astype(np.float32)
+        _compare_step(errs, 'moved', feat, twin, x, [3, 2], ctxs[:2], rng)
+        result['moved_devices'] = sorted({len(b.devices) for b in
+                                          feat._gluon_syncbn_graphs.backends})
+    if export_to:
+        feat.export(os.path.join(export_to, 'feat'))
+        np.save(os.path.join(export_to, 'x.npy'), test)
+        with autograd.predict_mode():
+            np.save(os.path.join(export_to, 'y.npy'), np.concatenate(
+                [o.asnumpy().ravel() for o in _as_list(feat(mx.nd.array(test, ctx=ctxs[0])))]))
+    result.update(errs)
+    return result
+
+
+def _export_net(norm, relu_norm):
+    """A network to export: BN on the input, conv, BN, relu, conv, BN with
+    ReLU, pooling, dense; its layers' names depend on nothing but the
+    prefix (convert_model keeps them)."""
+    net = gluon.nn.HybridSequential(prefix='net_')
+    with net.name_scope():
+        net.add(norm(in_channels=3),
+                gluon.nn.Conv2D(4, 3, padding=1, use_bias=False, in_channels=3),
+                norm(in_channels=4, momentum=0.8), gluon.nn.Activation('relu'),
+                gluon.nn.Conv2D(4, 3, padding=1, use_bias=False, in_channels=4),
+                relu_norm(in_channels=4),
+                gluon.nn.GlobalAvgPool2D(), gluon.nn.Dense(5, in_units=4))
+    return net
+
+
+@scenario
+def export_and_import(export_to, hybridize=True, relu=False, sizes=(3, 2, 2), seed=0):
+    """``export()`` of a converted network after a training step and after
+    a predict call, beside ``nn.BatchNorm``'s network with the same names
+    (both trained alike): whether the symbol files are equal, the
+    BatchNorm nodes' arguments, and files for a process without gluon_syncbn
+    to load (a test input and our predictions). Then ``SymbolBlock.imports``
+    of the export, ``convert_model`` on it, two training steps on len(sizes)
+    contexts against the imported graph on one context in float64
+    (``relu``: its last norm layer is nn.BatchNormReLU); exported again, whether the file is the one imported;
+    reverted, whether a mark is left. Data 1e3 from zero."""
+    from gluon_syncbn import convert_model, revert_model
+    rng = np.random.RandomState(seed)
+    ctxs = contexts(len(sizes))
+    relu_norm = gluon.nn.BatchNormReLU if relu else gluon.nn.BatchNorm
+    ours = convert_model(_export_net(gluon.nn.BatchNorm, relu_norm), timeout=60)
+    plain = _export_net(gluon.nn.BatchNorm, relu_norm)
+    ours.initialize(ctx=ctxs)
+    plain.initialize(ctx=mx.cpu(0))
+    _set_weights(ours, rng)
+    for name, value in _values(ours.collect_params()).items():
+        plain.collect_params()[name].set_data(mx.nd.array(value))
+    _hybridize(ours, hybridize)
+    _hybridize(plain, hybridize)
+    x = (rng.randn(sum(sizes), 3, 6, 6) + 1e3).astype(np.float32)
+    dy = rng.randn(sum(sizes), 5).astype(np.float32)
+    _graph_step(ours, [mx.nd.array(p, ctx=c) for p, c in zip(split_batch(x, sizes), ctxs)],
+                [[mx.nd.array(d, ctx=c)] for d, c in zip(split_batch(dy, sizes), ctxs)])
+    _graph_step(plain, [mx.nd.array(x)], [[mx.nd.array(dy)]])
+    result = {'operator': ours[0]._sync_backend.name}
+    test = (rng.randn(4, 3, 6, 6) + 1e3).astype(np.float32)
+    np.save(os.path.join(export_to, 'x.npy'), test)
+    for when in ('training', 'predict'):
+        if when == 'predict':
+            with autograd.predict_mode():
+                ours(mx.nd.array(test, ctx=ctxs[1]))
+                plain(mx.nd.array(test))
+        ours.export(os.path.join(export_to, 'ours-' + when))
+        plain.export(os.path.join(export_to, 'plain-' + when))
+        with open(os.path.join(export_to, 'ours-%s-symbol.json' % when)) as f:
+            mine = json.load(f)
+        with open(os.path.join(export_to, 'plain-%s-symbol.json' % when)) as f:
+            theirs = json.load(f)
+        result[when + '_equal'] = mine == theirs
+        result[when + '_nodes'] = sorted({n['op'] for n in mine['nodes']} - {'null'})
+        result[when + '_global_stats'] = sorted({n['attrs'].get('use_global_stats') for n in
+                                                 mine['nodes'] if 'BatchNorm' in n['op']})
+    with autograd.predict_mode():
+        np.save(os.path.join(export_to, 'y.npy'), ours(mx.nd.array(test, ctx=ctxs[0])).asnumpy())
+    symbol_file = os.path.join(export_to, 'ours-training-symbol.json')
+    param_file = os.path.join(export_to, 'ours-training-0000.params')
+    imported = gluon.SymbolBlock.imports(symbol_file, ['data'], param_file, ctx=ctxs)
+    convert_model(imported, timeout=60)
+    result['shadows'] = len(imported._gluon_syncbn_shadows)
+    twin = gluon.SymbolBlock(_unfused(mx.sym.load(symbol_file)), mx.sym.var('data'))
+    twin.collect_params().load(param_file, ctx=mx.cpu(0))
+    twin.cast('float64')
+    _hybridize(imported, hybridize)
+    _hybridize(twin, hybridize)
+    errs = WorstErrors()
+    for _ in range(2):
+        x = (rng.randn(sum(sizes), 3, 6, 6) + 1e3).astype(np.float32)
+        _compare_step(errs, 'imported', imported, twin, x, sizes, ctxs, rng)
+    result['imported_operator'] = sorted({b.name for b in imported._gluon_syncbn_graphs.backends})
+    imported.export(os.path.join(export_to, 'again'))
+    with open(symbol_file) as f, open(os.path.join(export_to, 'again-symbol.json')) as g:
+        result['export_is_the_import'] = json.load(f) == json.load(g)
+    revert_model(imported)
+    from gluon_syncbn import traced
+    result['reverted_marks'] = traced.has_marks(imported._cached_graph[1])
+    result.update(errs)
+    return result
+
+
+@scenario
+def backward_errors(hybridize=True, seed=0):
+    """What a backward raises, on _BNStack on two contexts, after a good
+    step: a step run without ``autograd.record()`` then backward; a
+    higher-order gradient through another, nn.BatchNorm-free hybridized
+    network; a higher-order gradient through ours. Each: the type and text."""
+    rng = np.random.RandomState(seed)
+    ctxs = contexts(2)
+    net = _ready(_BNStack(30.0), ctxs, hybridize)
+    x = (rng.randn(4, 3, 4, 4) + 1e3).astype(np.float32)
+    xs = [mx.nd.array(p, ctx=c) for p, c in zip(split_batch(x, [2, 2]), ctxs)]
+    with autograd.record():
+        ys = [net(a) for a in xs]
+    autograd.backward(ys)
+    result = {}
+
+    def unrecorded():
+        autograd.backward([net(a).sum() for a in xs])
+    result['unrecorded'], result['unrecorded_type'], _ = _capture(unrecorded)
+    other = gluon.nn.HybridSequential()
+    other.add(gluon.nn.Dense(4, in_units=3, activation='tanh'), gluon.nn.Dense(1, in_units=4))
+    other.initialize(ctx=ctxs[0])
+    _hybridize(other, hybridize or True)
+
+    def other_higher():
+        a = mx.nd.array(rng.randn(2, 3), ctx=ctxs[0])
+        a.attach_grad()
+        with autograd.record():
+            g = autograd.grad(other(a).sum(), [a], create_graph=True)[0]
+            second = (g * g).sum()
+        second.backward()
+    result['other'], result['other_type'], _ = _capture(other_higher)
+    result['ours'], result['ours_type'], _ = _capture(lambda: _second_order(net, xs))
+    x = (rng.randn(4, 3, 4, 4) + 1e3).astype(np.float32)
+    with autograd.record():
+        ys = [net(mx.nd.array(p, ctx=c)) for p, c in zip(split_batch(x, [2, 2]), ctxs)]
+    autograd.backward(ys)
+    result['after'] = max_rel_err(np.concatenate([y.asnumpy() for y in ys]),
+                                  _two_layers_float64(x)[0])
+    result['operator'] = net.bn1._sync_backend.name
+    return result
+
+
+class _ForeachNet(gluon.HybridBlock):
+    """A SyncBatchNorm layer called inside a control-flow operator's body."""
+
+    def __init__(self, **kwargs):
+        super(_ForeachNet, self).__init__(**kwargs)
+        with self.name_scope():
+            self.bn = SyncBatchNorm(in_channels=3, timeout=30)
+
+    def hybrid_forward(self, F, x):
+        out, _ = F.contrib.foreach(lambda data, states: (self.bn(data), states), x,
+                                   [F.zeros((1,))])
+        return out
+
+
+@scenario
+def refused_graph(case):
+    """A graph whose SyncBatchNorm layers would run per device, refused at
+    once: the message, the exception's type and the seconds it took.
+    ``case``: ``'cached_op'`` (mx.nd.CachedOp of a traced symbol),
+    ``'optimize_for'``, ``'module'`` (Module on two contexts),
+    ``'backend'`` (hybridize(backend=...)), ``'foreach'`` (a layer inside a
+    control-flow operator), ``'computed_gamma'`` (a SymbolBlock whose node
+    takes gamma from an operator), ``'empty_slice'`` (a SymbolBlock fed an
+    empty slice), ``'precise_one_device'`` and ``'precise_plain'``
+    (update_bn_stats on a SymbolBlock whose layer does not synchronize, and
+    on an imported nn.BatchNorm graph)."""
+    ctxs = contexts(2)
+    x = mx.nd.ones((2, 3, 4, 4)) + 1e3
+    net = _ready(_BNStack(30.0), ctxs if case != 'precise_one_device' else ctxs[:1])
+    data = mx.sym.var('data')
+    shared = gluon.SymbolBlock(net(data), data, params=net.collect_params())
+    shared.hybridize()
+
+    def step(block, arrays):
+        with autograd.record():
+            outs = [block(*a) if isinstance(a, tuple) else block(a) for a in arrays]
+        autograd.backward(outs)
+
+    if case == 'cached_op':
+        def run():
+            mx.nd.CachedOp(net(mx.sym.var('data')))
+    elif case == 'optimize_for':
+        def run():
+            net.optimize_for(x, backend='MKLDNN')
+    elif case == 'module':
+        def run():
+            module = mx.mod.Module(net(mx.sym.var('data')), label_names=None, context=ctxs)
+            module.bind(data_shapes=[('data', (4, 3, 4, 4))])
+    elif case == 'backend':
+        def run():
+            net.hybridize(backend='MKLDNN')
+            step(net, [x.copyto(c) for c in ctxs])
+    elif case == 'foreach':
+        foreach = _ForeachNet()
+        foreach.initialize(ctx=ctxs)
+        foreach.hybridize()
+
+        def run():
+            step(foreach, [mx.nd.ones((2, 1, 3, 4), ctx=c) for c in ctxs])
+    elif case == 'computed_gamma':
+        symbol = net(data)
+        gamma = mx.sym.var('gamma_source')
+        symbol._compose(**{net.bn1.gamma.name: gamma * 1})
+        params = gluon.ParameterDict()
+        params.update({k: v for k, v in net.collect_params().items()
+                       if k != net.bn1.gamma.name})
+        computed = gluon.SymbolBlock(symbol, [data, gamma], params=params)
+
+        def run():
+            step(computed, [(x.copyto(c), mx.nd.ones((3,), ctx=c)) for c in ctxs])
+    elif case == 'empty_slice':
+        mx.util.set_np_shape(True)
+
+        def run():
+            step(shared, [x.copyto(ctxs[0]), mx.nd.zeros((0, 3, 4, 4), ctx=ctxs[1])])
+    elif case == 'precise_one_device':
+        def run():
+            gluon_syncbn.update_bn_stats(shared, [[x]], 1, progress=False)
+    elif case == 'precise_plain':
+        from gluon_syncbn import revert_model
+        import tempfile
+        folder = tempfile.mkdtemp()
+        plain = revert_model(_ready(_BNStack(30.0), ctxs[:1], True))
+        plain(x)
+        plain.export(os.path.join(folder, 'plain'))
+        imported = gluon.SymbolBlock.imports(os.path.join(folder, 'plain-symbol.json'),
+                                             ['data'], os.path.join(folder, 'plain-0000.params'),
+                                             ctx=ctxs)
+
+        def run():
+            gluon_syncbn.update_bn_stats(imported, [[x.copyto(c) for c in ctxs]], 1,
+                                         progress=False)
+    message, kind, seconds = _capture(run)
+    gluon_syncbn.session.drain()  # the calls the refusal failed
+    return {'message': message, 'type': kind, 'seconds': seconds}
 
 
 def run(name, kwargs):

@@ -2,6 +2,7 @@
 package, and model-zoo networks."""
 
 import re
+import warnings
 
 import numpy as np
 import pytest
@@ -11,9 +12,9 @@ import mxnet as mx
 from mxnet import gluon
 from mxnet.gluon.model_zoo import vision
 
-from gluon_syncbn import SyncBatchNorm, convert_model, revert_model
-from tests.conftest import (PATH_OPERATOR, PATHS, result_of, run_batch, run_python,
-                            run_scenario)
+from gluon_syncbn import SyncBatchNorm, convert_model, revert_model, traced
+from tests.conftest import (OPERATOR_PATHS, PATH_OPERATOR, PATHS, result_of, run_batch,
+                            run_python, run_scenario)
 
 
 class Custom(gluon.HybridBlock):
@@ -186,11 +187,46 @@ def test_batchnorm_relu_converts_and_reverts_and_unknown_ones_are_named(tmp_path
     revert_model(net)
     assert type(net[1]) is gluon.nn.BatchNormReLU
     _export_loads_in_plain_mxnet(net, x, tmp_path)
+    # The imported graph's BatchNorm nodes (nn.BatchNormReLU's fused one
+    # too) are marked, each with a layer of its own; revert_model unmarks.
     loaded = gluon.SymbolBlock.imports(str(tmp_path / 'model-symbol.json'), ['data'],
                                        str(tmp_path / 'model-0000.params'))
-    with pytest.warns(RuntimeWarning, match="'%s' is a SymbolBlock whose graph holds 2 "
-                                            "BatchNorm operator" % loaded.name):
+    with warnings.catch_warnings():
+        warnings.simplefilter('error', RuntimeWarning)
         convert_model(loaded)
+    assert len(loaded._gluon_syncbn_shadows) == 2
+    assert traced.has_marks(loaded._cached_graph[1])
+    assert np.abs(loaded(x).asnumpy() - expected).max() < 1e-5 * np.abs(expected).max()
+    revert_model(loaded)
+    assert not traced.has_marks(loaded._cached_graph[1])
+
+
+def test_symbol_blocks_nodes_it_cannot_synchronize_are_named():
+    """contrib's SyncBatchNorm in a SymbolBlock's graph stays, with one
+    warning naming its node; a SymbolBlock inside a hybridized network is
+    converted there, and the network's graph traced again."""
+    plain = gluon.nn.HybridSequential(prefix='contrib_')
+    with plain.name_scope():
+        plain.add(gluon.contrib.nn.SyncBatchNorm(num_devices=1, in_channels=3))
+    data = mx.sym.var('data')
+    block = gluon.SymbolBlock(plain(data), data, params=plain.collect_params())
+    with pytest.warns(RuntimeWarning, match="'%s' is a SymbolBlock whose graph holds "
+                                            "batch-norm operator.* it cannot synchronize "
+                                            "\\('contrib_syncbatchnorm0_fwd'" % block.name):
+        convert_model(block)
+    backbone = gluon.nn.HybridSequential(prefix='bb_')
+    with backbone.name_scope():
+        backbone.add(gluon.nn.Conv2D(3, 1, in_channels=3), gluon.nn.BatchNorm(in_channels=3))
+    backbone.initialize()
+    outer = gluon.nn.HybridSequential()
+    outer.add(gluon.SymbolBlock(backbone(data), data, params=backbone.collect_params()))
+    outer.hybridize()
+    x = mx.nd.random.normal(shape=(2, 3, 4, 4))
+    expected = outer(x).asnumpy()
+    assert not traced.has_marks(outer._cached_graph[1])
+    convert_model(outer)
+    assert np.abs(outer(x).asnumpy() - expected).max() == 0
+    assert traced.has_marks(outer._cached_graph[1])  # traced again, with the marks
 
 
 @pytest.mark.parametrize('path', ['async', 'exchange', 'exchange-device'])
@@ -234,3 +270,134 @@ def test_convert_model_passes_sync_groups_to_every_layer():
     net = convert_model(vision.resnet18_v1(), sync_groups=[[0, 2], [1, 3]])
     found = layers(net, SyncBatchNorm)
     assert len(found) == 20 and all(b._sync_groups == ((0, 2), (1, 3)) for b in found)
+
+
+# export(), SymbolBlock.imports, convert_model (scenarios.export_and_import):
+# a converted network (relu: its last norm layer nn.BatchNormReLU) trained
+# on 3 contexts, exported after a training step and after a predict call.
+EXPORTS = [dict(hybridize=True), dict(hybridize='static'), dict(hybridize=True, relu=True)]
+EXPORT_IDS = ['hybridized', 'static_shape', 'hybridized-batchnormrelu']
+
+
+@pytest.fixture(scope='module', params=OPERATOR_PATHS)
+def exported(request, tmp_path_factory):
+    folders = [str(tmp_path_factory.mktemp('export')) for _ in EXPORTS]
+    batch = run_batch([('export_and_import', dict(case, export_to=folder))
+                       for case, folder in zip(EXPORTS, folders)], timeout=300,
+                      env=PATHS[request.param])
+    return request.param, batch, folders
+
+
+@pytest.mark.parametrize('case', EXPORTS, ids=EXPORT_IDS)
+def test_export_writes_nn_batchnorms_graph_whatever_the_last_call(exported, case):
+    """After a training step and after a predict call: the symbol file
+    nn.BatchNorm's network writes, with training-mode arguments; a process
+    without gluon_syncbn loads it and predicts as the network did."""
+    path, batch, folders = exported
+    r = result_of(batch, EXPORTS.index(case))
+    assert r['operator'] == PATH_OPERATOR[path], r
+    for when in ('training', 'predict'):
+        assert r[when + '_equal'], r
+        assert r[when + '_global_stats'] == ['False'], r
+        assert not [op for op in r[when + '_nodes'] if 'gluon_syncbn' in op], r
+    code = ('import sys, numpy as np, mxnet as mx\n'
+            'want = np.load("y.npy")\n'
+            'for when in ("training", "predict"):\n'
+            '    net = mx.gluon.SymbolBlock.imports("ours-%s-symbol.json" % when, ["data"], '
+            '"ours-%s-0000.params" % when)\n'
+            '    out = net(mx.nd.array(np.load("x.npy"))).asnumpy()\n'
+            '    print("LOADED", when, "gluon_syncbn" in sys.modules, '
+            'np.abs(out - want).max() / np.abs(want).max())\n')
+    out = run_python(code, env={'PYTHONPATH': ''}, cwd=folders[EXPORTS.index(case)])
+    lines = [l.split() for l in out.stdout.splitlines() if l.startswith('LOADED')]
+    assert len(lines) == 2, out.stderr[-2000:]
+    for _, _, loaded, err in lines:
+        assert loaded == 'False' and float(err) < 1e-6, lines
+
+
+@pytest.mark.parametrize('case', EXPORTS, ids=EXPORT_IDS)
+def test_an_imported_export_converts_and_trains_synchronized(exported, case):
+    """SymbolBlock.imports of the export, then convert_model: its 3
+    BatchNorm nodes synchronize on 3 contexts, two steps as the imported
+    graph on the whole batch in float64 (outputs, every gradient, every
+    device's running statistics); exported again it is the file imported,
+    and revert_model leaves no mark."""
+    path, batch, _ = exported
+    r = result_of(batch, EXPORTS.index(case))
+    assert r['shadows'] == 3 and r['imported_operator'] == [PATH_OPERATOR[path]], r
+    for key in ('imported_out', 'imported_grad', 'imported_running'):
+        assert r[key] < 1e-5, (key, r)
+    assert r['export_is_the_import'] and not r['reverted_marks'], r
+
+
+# What a backward raises (scenarios.backward_errors), in every mode.
+BACKWARD_MODES = [False, True, 'static']
+
+
+@pytest.fixture(scope='module', params=OPERATOR_PATHS)
+def backward(request):
+    return request.param, run_batch([('backward_errors', dict(hybridize=m))
+                                     for m in BACKWARD_MODES], timeout=200,
+                                    env=PATHS[request.param])
+
+
+@pytest.mark.parametrize('mode', BACKWARD_MODES, ids=['imperative', 'hybridized', 'static'])
+def test_a_backward_error_names_our_layer_only_where_it_is_the_cause(backward, mode):
+    """A step run without autograd.record(), then backward: MXNet's own
+    error; a higher-order gradient through another hybridized network:
+    MXNet's; through ours: ours, naming the layers; the next step exact."""
+    path, batch = backward
+    r = result_of(batch, BACKWARD_MODES.index(mode))
+    assert r['operator'] == PATH_OPERATOR[path], r
+    assert r['unrecorded_type'] == 'MXNetError', r
+    assert 'Cannot differentiate node because it is not in a computational graph' \
+        in r['unrecorded'] and 'SyncBatchNorm' not in r['unrecorded'], r
+    assert r['other_type'] == 'MXNetError', r
+    assert 'CachedOp does not support higher order gradients' in r['other'] \
+        and 'SyncBatchNorm' not in r['other'], r
+    assert r['ours_type'] == 'SyncBatchNormError', r
+    assert re.match(r"SyncBatchNorm '_bnstack\d_syncbatchnorm0', '_bnstack\d_syncbatchnorm1'"
+                    r".* does not support higher-order gradients", r['ours']), r
+    assert r['after'] < 2e-6, r
+
+
+# Graphs whose layers would run per device (scenarios.refused_graph): each
+# refused at once, the message naming the layers or nodes and the way that
+# works.
+REFUSED = {
+    'cached_op': r"SyncBatchNorm layer\(s\) '_bnstack\d+_syncbatchnorm0', "
+                 r"'_bnstack\d+_syncbatchnorm1' synchronize over 2 devices, but a CachedOp "
+                 r".*mx.nd.CachedOp.* Call the network",
+    'optimize_for': r"'_bnstack\d+_syncbatchnorm0', '_bnstack\d+_syncbatchnorm1' synchronize "
+                    r"over 2 devices, .*HybridBlock.optimize_for",
+    'module': r"mx.mod.Module: SyncBatchNorm node\(s\) '_bnstack\d+_syncbatchnorm0_fwd', "
+              r"'_bnstack\d+_syncbatchnorm1_fwd' cannot synchronize in a Module on 2 "
+              r"contexts.* Train the network with Gluon",
+    'backend': r"'_bnstack\d+': SyncBatchNorm layer\(s\) .* would run in a graph partitioned "
+               r"for backend 'MKLDNN', .*Hybridize without a backend",
+    'foreach': r"'_foreachnet\d+': SyncBatchNorm layer\(s\) '_foreachnet\d+_syncbatchnorm0' "
+               r"would run inside a control-flow operator's subgraph.* Call them outside",
+    'computed_gamma': r"'symbolblock\d+': SyncBatchNorm layer\(s\) "
+                      r"'_bnstack\d+_syncbatchnorm0' would run on gamma, beta or running "
+                      r"statistics that are no Parameters.* params=net.collect_params\(\)",
+    'empty_slice': r"'symbolblock\d+' got an empty slice on cpu\(1\).*\(a SymbolBlock\)\. Feed "
+                   r"every device at least one sample",
+    'precise_one_device': r"update_bn_stats: 'symbolblock\d+' is a SymbolBlock, .* do not "
+                          r"synchronize .* on several devices",
+    'precise_plain': r"update_bn_stats: 'symbolblock\d+' is a SymbolBlock whose graph holds "
+                     r"BatchNorm operator\(s\) .* of no SyncBatchNorm layer.*convert_model",
+}
+
+
+@pytest.fixture(scope='module', params=OPERATOR_PATHS)
+def refused(request):
+    return run_batch([('refused_graph', dict(case=c)) for c in REFUSED], timeout=200,
+                     env=PATHS[request.param])
+
+
+@pytest.mark.parametrize('case', list(REFUSED))
+def test_a_graph_that_cannot_synchronize_is_refused_at_once(refused, case):
+    r = result_of(refused, list(REFUSED).index(case))
+    assert r['type'] == 'SyncBatchNormError', r
+    assert re.search(REFUSED[case], r['message']), r
+    assert r['seconds'] < 5, r  # no device waited for the layers' 30 s timeout

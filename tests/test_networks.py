@@ -21,10 +21,22 @@ exercised (and, in a second process, the same with MKL-DNN off). Nets of 1 to
 20 layers, parallel branches (several BN layers in flight per device), dropout,
 SGD with momentum and weight decay, Adam; imperative, hybridized and static.
 Every batch runs in a subprocess with a hard deadline: a hang fails the test.
+
+Traced backbones: a converted backbone called on a Symbol and wrapped in a
+SymbolBlock (by hand, sharing its Parameters or with its own, and GluonCV's
+FeatureExpander and FPNFeatureExpander where GluonCV is installed), in
+every order users build them (initialized on one context or all, or not
+at all, weights loaded before or after the trace, a first call on one
+context), trains on 3 contexts as the same graph with nn.BatchNorm on the
+whole batch in float64, on data 1e3 from zero, then on 2 after a move; on
+both operators, hybridize() and static.
 """
+import os
+
 import pytest
 
-from tests.conftest import result_of, run_batch
+from tests.conftest import (OPERATOR_PATHS, PATHS, PATH_OPERATOR, needs_gluoncv, result_of,
+                            run_batch, run_python)
 
 CASES = {
     'conv1-N2': dict(layers=1, sizes=[2, 2]),
@@ -131,3 +143,93 @@ def test_dropout_around_syncbn_does_not_hang(sizes, hybridize):
                                  dict(layers=3, dropout=0.2, sizes=sizes, steps=3,
                                       hybridize=hybridize, compare=False))], timeout=300), 0)
     assert errs['replicas_identical'] == 1.0
+
+
+# (kind, order, mode) of traced_backbone; the 'hand' kinds need nothing but
+# MXNet, the others GluonCV.
+TRACED = {
+    'hand-initall': dict(kind='hand', order='initall'),
+    'hand-init1-static': dict(kind='hand', order='init1', hybridize='static'),
+    'hand-uninit': dict(kind='hand', order='uninit'),
+    'hand-load_after-static': dict(kind='hand', order='load_after', hybridize='static'),
+    'hand-run1_then_all': dict(kind='hand', order='run1_then_all'),
+    'hand_own-init1': dict(kind='hand_own', order='init1'),
+    'hand_own-uninit-static': dict(kind='hand_own', order='uninit', hybridize='static'),
+}
+TRACED_GLUONCV = {
+    'expander-uninit': dict(kind='expander', order='uninit'),
+    'expander-init1-static': dict(kind='expander', order='init1', hybridize='static'),
+    'expander-initall': dict(kind='expander', order='initall'),
+    'expander_bn-load_after': dict(kind='expander_bn', order='load_after'),
+    'expander_bn-run1_then_all-static': dict(kind='expander_bn', order='run1_then_all',
+                                             hybridize='static'),
+    'fpn-initall-static': dict(kind='fpn', order='initall', hybridize='static'),
+    'fpn-load_after': dict(kind='fpn', order='load_after'),
+}
+# What each traced graph synchronizes: the backbone's 4 layers, and the
+# expander's own 2 BatchNorm nodes where convert_model marked them (shadows,
+# as for a SymbolBlock with Parameters of its own).
+SYNCHRONIZED = {'hand': (4, 0), 'hand_own': (4, 4), 'expander': (4, 0),
+                'expander_bn': (6, 2), 'fpn': (4, 0)}
+EXPORTED = 'hand_own-init1'  # also exported, and loaded without gluon_syncbn
+TRACED_TOL = 1e-5  # float32 against float64 on the whole batch
+
+
+def _traced_batch(cases, path, folder=None):
+    return run_batch([('traced_backbone', dict(c, export_to=folder) if name == EXPORTED else c)
+                      for name, c in cases.items()], timeout=400, env=PATHS[path])
+
+
+@pytest.fixture(scope='module', params=OPERATOR_PATHS)
+def traced(request, tmp_path_factory):
+    folder = str(tmp_path_factory.mktemp('traced'))
+    return request.param, _traced_batch(TRACED, request.param, folder), folder
+
+
+@pytest.fixture(scope='module', params=OPERATOR_PATHS)
+def traced_gluoncv(request):
+    return request.param, _traced_batch(TRACED_GLUONCV, request.param)
+
+
+def check_traced(path, result, case):
+    assert result['operator'] == [PATH_OPERATOR[path]], result
+    assert (result['layers'], result['shadows']) == SYNCHRONIZED[case['kind']], result
+    assert result['moved_devices'] == [2], result
+    for key in ('step_out', 'step_grad', 'step_running', 'predict', 'moved_out', 'moved_grad',
+                'moved_running'):
+        assert result[key] < TRACED_TOL, (key, result)
+
+
+@pytest.mark.parametrize('name', list(TRACED))
+def test_a_traced_backbone_synchronizes_every_device(traced, name):
+    path, batch, _ = traced
+    check_traced(path, result_of(batch, list(TRACED).index(name)), TRACED[name])
+
+
+@needs_gluoncv
+@pytest.mark.parametrize('name', list(TRACED_GLUONCV))
+def test_gluoncv_feature_extractors_synchronize_every_device(traced_gluoncv, name):
+    path, batch = traced_gluoncv
+    check_traced(path, result_of(batch, list(TRACED_GLUONCV).index(name)), TRACED_GLUONCV[name])
+
+
+def test_a_traced_backbone_exports_nn_batchnorms_graph(traced):
+    """The SymbolBlock's export (its own Parameters, shadows) holds no mark,
+    and a process without gluon_syncbn loads it and predicts as it did."""
+    _, batch, folder = traced
+    result_of(batch, list(TRACED).index(EXPORTED))
+    with open(os.path.join(folder, 'feat-symbol.json')) as f:
+        assert '__gluon_syncbn__' not in f.read()
+    code = ('import sys, numpy as np, mxnet as mx\n'
+            'net = mx.gluon.SymbolBlock.imports("feat-symbol.json", ["data"], '
+            '"feat-0000.params")\n'
+            'out = np.concatenate([o.asnumpy().ravel() for o in net(mx.nd.array(np.load('
+            '"x.npy")))])\n'
+            'want = np.load("y.npy")\n'
+            'print("LOADED", "gluon_syncbn" in sys.modules, '
+            'np.abs(out - want).max() / np.abs(want).max())\n')
+    out = run_python(code, env={'PYTHONPATH': ''}, cwd=folder)
+    line = [l for l in out.stdout.splitlines() if l.startswith('LOADED')]
+    assert line, out.stderr[-2000:]
+    _, loaded, err = line[0].split()
+    assert loaded == 'False' and float(err) < 1e-6, line

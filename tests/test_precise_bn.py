@@ -7,8 +7,9 @@ with float64 NumPy maths on the same batches: the averages, weighted by
 sample count, of the statistics each batch normalizes with in training
 mode. Also: the devices that must agree are identical bit for bit; the
 weights, gradients and Trainer state are untouched; an interrupted run
-leaves everything as it was. On every code path (conftest.PATHS); across
-processes: test_multiprocess.py.
+leaves everything as it was; a SymbolBlock of the network (its graph's
+layers) alike. On every code path (conftest.PATHS); across processes:
+test_multiprocess.py.
 """
 import pytest
 
@@ -34,6 +35,11 @@ CASES = {
     'interrupted, static_shape': {'interrupt': 'keyboard', 'hybridize': 'static'},
     'a device fails, static_shape': {'interrupt': 'bad_input', 'sizes': [2, 2, 2],
                                      'hybridize': 'static'},
+    # The network traced into a SymbolBlock sharing its Parameters (GluonCV's
+    # feature extractors): its graph's layers are found and tallied.
+    'a SymbolBlock of the network': {'symbol_block': True, 'sizes': [2, 3, 1]},
+    'a SymbolBlock, interrupted, static_shape': {'symbol_block': True, 'hybridize': 'static',
+                                                 'interrupt': 'keyboard'},
     'empty slices': {'sizes': [0, 3, 0]},  # last: it sets NumPy shape mode
 }
 RESTORED = ("gluon_syncbn.update_bn_stats stopped after 2 batch(es): every layer's running "

@@ -10,19 +10,9 @@ where races live), on every backend, 2 and 4 devices, uneven slices,
 imperative and hybridized, against float64 maths on the whole batch.
 ``tests/soak_threads.py`` runs the first call many times over.
 """
-import importlib.util
-import os
-
 import pytest
 
-from tests.conftest import PATH_OPERATOR, ScenarioFailed, run_scenario
-
-GLUONCV = None if importlib.util.find_spec('gluoncv') else (
-    'gluoncv is not installed: pip install --no-deps gluoncv==0.10.5.post0 scipy==1.15.3 '
-    'portalocker==4.4.2 (.ci/run does)')
-if GLUONCV and os.environ.get('GLUON_SYNCBN_REQUIRE_GLUONCV'):
-    raise RuntimeError('GLUON_SYNCBN_REQUIRE_GLUONCV is set but ' + GLUONCV)
-needs_gluoncv = pytest.mark.skipif(bool(GLUONCV), reason=GLUONCV or '')
+from tests.conftest import PATH_OPERATOR, ScenarioFailed, needs_gluoncv, run_scenario
 
 EXACT = 1e-12  # float64 throughout
 # A wait that ends the case long before its process's deadline, were it to hang.

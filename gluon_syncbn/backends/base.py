@@ -132,11 +132,15 @@ class Backend(object):
         self._lib.watch_slice(x, messages.text('empty_slice_refused', layer=self.layer_name,
                                                device=x.context, shape=x.shape))
 
-    def forward(self, F, x, gamma, beta, running_mean, running_var, dtype, static_shape,
-                imperative):
+    def forward(self, F, x, gamma, beta, running_mean, running_var, dtype, static_shape=False,
+                ndim=None, dtype_known=True):
         """The layer's training output for ``x``, normalized with the
-        statistics of its sync group. ``dtype``: the input's (in a traced
-        graph, the network's: see ``SyncBatchNorm.cast``)."""
+        statistics of its sync group: an NDArray (``F`` is ``mx.nd``), or
+        the Symbol a graph's node is bound to (``mx.sym``, see ``graphs``).
+        ``dtype``: the input's; in a graph whose types MXNet could not infer
+        (``dtype_known`` false), the network's (``SyncBatchNorm.cast``).
+        ``static_shape``: the graph's operators are made once; ``ndim``: the
+        input's number of dimensions, None where a graph cannot tell."""
         raise NotImplementedError
 
     def start_tally(self):

@@ -13,8 +13,8 @@ class AsyncBackend(Backend):
 
     name = 'async'
 
-    def forward(self, F, x, gamma, beta, running_mean, running_var, dtype, static_shape,
-                imperative):
+    def forward(self, F, x, gamma, beta, running_mean, running_var, dtype, static_shape=False,
+                ndim=None, dtype_known=True):
         return self._functions[F](x, gamma, beta, running_mean, running_var,
                                   static_shape=static_shape, input_dtype=dtype,
                                   **self._arguments)

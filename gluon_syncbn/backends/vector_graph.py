@@ -6,7 +6,8 @@ into the (scale, shift) that normalize, and MXNet's operators apply them. The
 asynchronous operator (CPU contexts) needs none of this: it takes the whole
 call.
 """
-from ..hooks import traced_ndim
+from mxnet import ndarray, symbol
+
 from ..mxnet_private import amp_initialized, dtype_name, operator_dtype
 from ..session import SETUP_LOCK
 from .base import Backend
@@ -43,17 +44,16 @@ class VectorBackend(Backend):
         super(VectorBackend, self).__init__(*args)
         self._imperative_graphs = {}
 
-    def forward(self, F, x, gamma, beta, running_mean, running_var, dtype, static_shape,
-                imperative):
-        if imperative and x.size == 0:
-            return self._empty_slice(F, x, gamma, beta, running_mean, running_var, dtype)
-        if imperative:
+    def forward(self, F, x, gamma, beta, running_mean, running_var, dtype, static_shape=False,
+                ndim=None, dtype_known=True):
+        if F is ndarray:
+            if x.size == 0:
+                return self._empty_slice(F, x, gamma, beta, running_mean, running_var, dtype)
             op, order = self._cached_op(dtype, dtype_name(gamma.dtype), x.ndim)
             arrays = (x, gamma, beta, running_mean, running_var)
             return op(*[arrays[i] for i in order])
-        ndim = x.ndim if imperative else traced_ndim(x)
         return self._whole_graph(F, x, gamma, beta, running_mean, running_var, dtype,
-                                 static_shape, imperative, ndim)
+                                 static_shape, dtype_known, ndim)
 
     def _cached_op(self, dtype, param_dtype, ndim):
         """The graph of an imperative call as one CachedOp, traced once per
@@ -82,26 +82,26 @@ class VectorBackend(Backend):
         return cached
 
     def _trace(self, dtype, ndim):
-        from mxnet import ndarray, symbol
         names = ('data', 'gamma', 'beta', 'running_mean', 'running_var')
-        # Traced as imperative: the input's dtype and number of dimensions are known.
         out = self._whole_graph(symbol, *[symbol.var(n) for n in names], dtype=dtype,
-                                static_shape=False, imperative=True, ndim=ndim)
+                                static_shape=False, dtype_known=True, ndim=ndim)
         order = [names.index(n) for n in out.list_inputs()]
         return ndarray.CachedOp(out, flags=[('static_alloc', True)]), order
 
     def _whole_graph(self, F, x, gamma, beta, running_mean, running_var, dtype, static_shape,
-                     imperative, ndim):
-        """The operators of a call; ``imperative``: ``x`` has dtype ``dtype``
-        (an NDArray, or traced for an imperative call's CachedOp); ``ndim``:
-        its number of dimensions, or None where a traced graph cannot tell."""
+                     dtype_known, ndim):
+        """The operators of a call; ``dtype_known``: ``x`` has dtype ``dtype``
+        (else ``dtype`` is the network's, and ``x`` may be narrower under
+        AMP); ``ndim``: its number of dimensions, or None where a graph
+        cannot tell."""
         half = dtype in LOW_PRECISION
         # Statistics in at least float32: float16 input is widened, then narrowed back.
         xs = F.Cast(x, dtype='float32') if half else x
-        if not imperative and dtype == 'float32' and amp_initialized():
-            # Under AMP (amp.init()) a traced graph is fed float16 it cannot
-            # see: amp_cast widens float16/bfloat16 and leaves float32 alone.
-            # (Not for float64 networks: on CPU it is MKL-DNN's and refuses it.)
+        if not dtype_known and dtype == 'float32' and amp_initialized():
+            # Under AMP (amp.init()) a graph whose types are unknown may be
+            # fed float16: amp_cast widens float16/bfloat16 and leaves
+            # float32 alone. (Not for float64 networks: on CPU it is
+            # MKL-DNN's and refuses it.)
             xs = F.amp_cast(x, dtype='float32')
         out = self._graph(F, xs, gamma, beta, running_mean, running_var, dtype, static_shape,
                           ndim)
