@@ -127,9 +127,9 @@ class Awaited {
 // Runs `work`, which may block in a collective of the engine, on a thread of
 // its own and waits at most `timeout` seconds for it; false with `error` set
 // if it failed or still runs then (nothing can cancel it: it is left to end
-// by itself, or with the process).
+// by itself, or with the process), and then `late` too where given.
 bool bounded(std::function<bool(std::string*)> work, double timeout, const std::string& what,
-             std::string* error) {
+             std::string* error, bool* late = nullptr) {
   auto outcome = std::make_shared<Awaited>();
   std::thread([outcome, work]() {
     std::string e;
@@ -137,6 +137,7 @@ bool bounded(std::function<bool(std::string*)> work, double timeout, const std::
   }).detach();
   if (!outcome->wait(timeout, error)) {
     *error = what + " did not end within " + number(timeout) + "s";
+    if (late) *late = true;
     return false;
   }
   return error->empty();
@@ -178,9 +179,12 @@ class Transport {
                       std::vector<double>* rows, std::string* error) {
     if (control_.array == nullptr) {
       Buffer b;
-      if (!make_buffer(kControlRow, 0, &b, error) ||
-          !init_bounded(kControlSlot, 0, b, timeout, error))
+      bool late = false;
+      if (!make_buffer(kControlRow, 0, &b, error)) return false;
+      if (!init_bounded(kControlSlot, 0, b, timeout, error, &late)) {
+        if (late) error->clear();  // initializing the key waits for every worker
         return false;
+      }
       control_ = b;
     }
     std::vector<double> payload(control_.size, 0.0);
@@ -281,11 +285,12 @@ class Transport {
   }
 
   // init_key, which waits for the other workers, within `timeout` seconds.
-  bool init_bounded(int slot, int dir, const Buffer& b, double timeout, std::string* error) {
+  bool init_bounded(int slot, int dir, const Buffer& b, double timeout, std::string* error,
+                    bool* late = nullptr) {
     NDArrayHandle array = b.array;
     return bounded([this, slot, dir, array](std::string* e) {
       return init_key(slot, dir, array, e);
-    }, timeout, "initializing the key (every worker takes part)", error);
+    }, timeout, "initializing the key (every worker takes part)", error, late);
   }
 
   void start_on(const Buffer& b, int slot, int dir, const std::vector<double>& payload,
