@@ -19,11 +19,11 @@ every few dozen steps whatever the number of slots. The shared pool's size
 still matters where that separation cannot be made (the layer warns) and for
 the random-number slots everywhere.
 
-More slots are not free: each keeps the largest buffer it was ever handed, so
-1024 of them made a plain one-context ResNet-18 training process 31x larger and
-1.8x slower. Importing gluon_syncbn therefore changes nothing; synchronizing
-several CPU contexts takes one explicit step, :func:`configure_cpu_contexts`
-(or ``GLUON_SYNCBN_CPU_CONTEXTS`` in the environment, read at import), before
+More slots are not free: each keeps the largest buffer it was ever handed
+(what that costs a process that does not synchronize: docs/design.md,
+section 'The engine hazard'). Importing gluon_syncbn therefore changes
+nothing; synchronizing several CPU contexts takes one explicit step,
+:func:`configure_cpu_contexts` (or ``GLUON_SYNCBN_CPU_CONTEXTS`` in the environment, read at import), before
 MXNet runs its first operator (MXNet reads the variables once, when its
 resource manager starts, which ``mx.random.seed`` also does). Without that
 step the first synchronized call on several CPU contexts raises at once

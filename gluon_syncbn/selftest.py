@@ -104,7 +104,8 @@ def check_cpu_temp_space(lib, x):
 
 
 def check_exchange(x, w, gamma, beta, eps, expected):
-    """The GPU path's layer (the exchange operator in the block's own graph)
+    """The GPU path's layer (the exchange operator in the graph of
+    ``backends/vector_graph.py``)
     on two devices, 1 + 3 samples."""
     if mx.context.num_gpus() >= 2:
         ctxs = [mx.gpu(0), mx.gpu(1)]

@@ -7,8 +7,8 @@ is a custom operator, and no thread waits in them:
   call; it runs on the device's engine worker and completes when the devices
   have met;
 * the exchange operator (``exchange_op.h``), GPUs: the synchronization step
-  on the packed per-channel vector (cpu and gpu), moving data only with
-  MXNet's engine copies.
+  on the packed per-channel vector, copied between the GPU and the host
+  through the CUDA runtime (``device_copies.h``).
 
 Both rely on the C++ ABI of the libmxnet.so they were built against
 (``mxnet_abi.h``); a self-test in a subprocess checks each once per build

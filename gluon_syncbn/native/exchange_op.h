@@ -360,7 +360,7 @@ std::vector<uint32_t> exchange_mutated(const nnvm::NodeAttrs&) {
 }
 
 // The backward node's four outputs go to m2, v, gamma and beta; m1 is a
-// constant (BlockGrad in the block), data was read for its shape only, the
+// constant (BlockGrad in backends/vector_graph.py's graph), data was read for its shape only, the
 // running statistics get none.
 std::vector<nnvm::NodeEntry> exchange_gradient(const nnvm::ObjectPtr& node,
                                                const std::vector<nnvm::NodeEntry>& out_grads) {

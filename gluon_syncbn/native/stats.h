@@ -1,6 +1,6 @@
-// The statistics of SyncBatchNorm in float64: gluon_syncbn/stats.py's
-// functions under the same names and with the same maths (stats.py
-// documents them), on per-channel vectors; then the elementwise loops of the
+// The statistics of SyncBatchNorm in float64: the tests' oracle
+// tests/stats.py's functions under the same names and with the same maths
+// (it documents them), on per-channel vectors; then the elementwise loops of the
 // asynchronous operator's whole calls on host arrays around them. What
 // crosses devices is only the vectors of wire.h.
 #pragma once
@@ -112,7 +112,7 @@ void local_moment_grads(const std::vector<double>& total, double count, const In
 
 // A device's tally (gluon_syncbn.update_bn_stats): over the training calls
 // it saw, their number and the sums of each call's global n, n * mean and
-// n * var; stats.py's Tally.
+// n * var; gluon_syncbn/tally.py's Tally.
 struct Tally {
   double calls = 0, n = 0;
   std::vector<double> mean_sum, var_sum;
