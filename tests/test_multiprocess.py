@@ -30,8 +30,8 @@ def _horovod_missing():
     proc = run_python('import horovod.mxnet')
     if proc.returncode == 0:
         return None
-    return ('horovod.mxnet does not import here (%s); .ci/run builds Horovod, see README'
-            % (proc.stderr.strip().splitlines() or ['?'])[-1])
+    return ("horovod.mxnet does not import here (%s): docs/install.md, section 'Horovod', "
+            "installs it" % (proc.stderr.strip().splitlines() or ['?'])[-1])
 
 
 HOROVOD = _horovod_missing()
