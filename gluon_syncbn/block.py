@@ -12,6 +12,7 @@ from mxnet.util import is_np_array, is_np_shape
 
 from . import messages
 from .backends import make_backend
+from .backends.base import Call, Params
 from .backends.vector_graph import LOW_PRECISION
 from .cpu_contexts import check_cpu_contexts, is_naive_engine
 from .errors import SyncBatchNormError, ours_behind
@@ -333,11 +334,10 @@ class SyncBatchNorm(nn.BatchNorm):
         backend.follow_arguments()  # a graph's calls: graphs.run_cached_op
         if not all(x.shape):  # an empty slice (NumPy shape mode: _check_input)
             backend.watch_empty_slice(x)
-        # An imperative call is static in no sense: its operator is made for
-        # it and knows the step it was issued in, also in a static network
-        # run imperatively (an empty slice's call, update_bn_stats).
-        return backend.forward(F, x, gamma, beta, running_mean, running_var,
-                               dtype_name(x.dtype), static_shape=False, ndim=x.ndim)
+        # Also in a static network run imperatively (an empty slice's call,
+        # update_bn_stats): Call.imperative says why.
+        return backend.forward(F, x, Params(gamma, beta, running_mean, running_var),
+                               Call.imperative(x))
 
     def _traced(self, F, x, gamma, beta, running_mean, running_var):
         """What a trace gets (Gluon's, of a hybridized network, or a call on

@@ -45,6 +45,7 @@ import mxnet as mx
 from mxnet.gluon import SymbolBlock
 
 from . import traced
+from .backends.base import Call, Params
 from .block import SyncBatchNorm, is_sync_batchnorm
 from .errors import SyncBatchNormError
 from .mxnet_private import dtype_name
@@ -402,10 +403,10 @@ def _training_symbol(block, symbol, graph, nodes, args, params, static):
         dtype = dtype if known else layer._input_dtype
 
         def make(placeholders):
-            inputs = [mx.sym.var(n) for n in placeholders]
+            data, *params = [mx.sym.var(n) for n in placeholders]
             with mx.name.Prefix(prefix):
-                out = backend.forward(mx.sym, *inputs, dtype=dtype, static_shape=static,
-                                      ndim=traced_ndim(shape), dtype_known=known)
+                out = backend.forward(mx.sym, data, Params(*params),
+                                      Call(dtype, static, traced_ndim(shape), known))
                 return mx.sym.relu(out, name='relu') if node['op'] in traced.WITH_RELU else out
         return make
     return traced.splice(graph, {index: replacement(node, layer, backend, *attributes)

@@ -2,14 +2,44 @@
 in the native session (an integer handle, the operators' ``layer``
 argument, created with the backend and removed with it), its arguments
 and tallies there, and the clean-up after an aborted step."""
+import collections
 import os
 import weakref
 
 from .. import messages
 from ..groups import partition
+from ..mxnet_private import dtype_name
 from ..tally import Tally
 
-__all__ = ['Backend', 'timeout_hint']
+__all__ = ['Backend', 'Call', 'Params', 'timeout_hint']
+
+
+# The layer's four parameter arrays (or, in a graph, symbols), in the order
+# MXNet's BatchNorm takes them.
+Params = collections.namedtuple('Params', ['gamma', 'beta', 'running_mean', 'running_var'])
+
+
+class Call(collections.namedtuple('Call', ['dtype', 'static_shape', 'ndim', 'dtype_known'])):
+    """How a training call's graph is made, beside its arrays.
+
+    dtype : str
+        The input's; in a graph whose types MXNet could not infer
+        (``dtype_known`` false), the network's (``SyncBatchNorm.cast``).
+    static_shape : bool
+        The graph's operators are made once (a static_shape graph).
+    ndim : int or None
+        The input's number of dimensions, None where a graph cannot tell.
+    dtype_known : bool
+        Whether the input has dtype ``dtype`` (else, under AMP, it may be
+        narrower).
+    """
+    __slots__ = ()
+
+    @classmethod
+    def imperative(cls, x):
+        """An imperative call on NDArray ``x``: static in no sense (its
+        operator is made for it and knows the step it was issued in)."""
+        return cls(dtype_name(x.dtype), False, x.ndim, True)
 
 LAST_BATCH_HINT = (
     "A device that never calls the layer was not given its part of the step (a loop over "
@@ -132,15 +162,11 @@ class Backend(object):
         self._lib.watch_slice(x, messages.text('empty_slice_refused', layer=self.layer_name,
                                                device=x.context, shape=x.shape))
 
-    def forward(self, F, x, gamma, beta, running_mean, running_var, dtype, static_shape=False,
-                ndim=None, dtype_known=True):
+    def forward(self, F, x, params, call):
         """The layer's training output for ``x``, normalized with the
         statistics of its sync group: an NDArray (``F`` is ``mx.nd``), or
         the Symbol a graph's node is bound to (``mx.sym``, see ``graphs``).
-        ``dtype``: the input's; in a graph whose types MXNet could not infer
-        (``dtype_known`` false), the network's (``SyncBatchNorm.cast``).
-        ``static_shape``: the graph's operators are made once; ``ndim``: the
-        input's number of dimensions, None where a graph cannot tell."""
+        ``params``: :data:`Params`; ``call``: :class:`Call`."""
         raise NotImplementedError
 
     def start_tally(self):

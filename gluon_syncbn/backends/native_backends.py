@@ -13,11 +13,9 @@ class AsyncBackend(Backend):
 
     name = 'async'
 
-    def forward(self, F, x, gamma, beta, running_mean, running_var, dtype, static_shape=False,
-                ndim=None, dtype_known=True):
-        return self._functions[F](x, gamma, beta, running_mean, running_var,
-                                  static_shape=static_shape, input_dtype=dtype,
-                                  **self._arguments)
+    def forward(self, F, x, params, call):
+        return self._functions[F](x, *params, static_shape=call.static_shape,
+                                  input_dtype=call.dtype, **self._arguments)
 
 
 class ExchangeBackend(VectorBackend):
@@ -26,9 +24,7 @@ class ExchangeBackend(VectorBackend):
 
     name = 'exchange'
 
-    def _exchange(self, F, m1, m2, v, data, gamma, beta, running_mean, running_var, dtype,
-                  static_shape):
-        out = self._functions[F](m1, m2, v, gamma, beta, running_mean, running_var, data,
-                                 static_shape=static_shape, input_dtype=dtype,
-                                 **self._arguments)
+    def _exchange(self, F, moments, data, params, call):
+        out = self._functions[F](*moments, *params, data, static_shape=call.static_shape,
+                                 input_dtype=call.dtype, **self._arguments)
         return out[0], out[1]

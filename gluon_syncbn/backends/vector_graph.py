@@ -10,7 +10,7 @@ from mxnet import ndarray, symbol
 
 from ..mxnet_private import amp_initialized, dtype_name, operator_dtype
 from ..session import SETUP_LOCK
-from .base import Backend
+from .base import Backend, Call, Params
 
 __all__ = ['LOW_PRECISION', 'VectorBackend']
 
@@ -44,16 +44,14 @@ class VectorBackend(Backend):
         super(VectorBackend, self).__init__(*args)
         self._imperative_graphs = {}
 
-    def forward(self, F, x, gamma, beta, running_mean, running_var, dtype, static_shape=False,
-                ndim=None, dtype_known=True):
+    def forward(self, F, x, params, call):
         if F is ndarray:
             if x.size == 0:
-                return self._empty_slice(F, x, gamma, beta, running_mean, running_var, dtype)
-            op, order = self._cached_op(dtype, dtype_name(gamma.dtype), x.ndim)
-            arrays = (x, gamma, beta, running_mean, running_var)
+                return self._empty_slice(F, x, params, call.dtype)
+            op, order = self._cached_op(call.dtype, dtype_name(params.gamma.dtype), x.ndim)
+            arrays = (x,) + tuple(params)
             return op(*[arrays[i] for i in order])
-        return self._whole_graph(F, x, gamma, beta, running_mean, running_var, dtype,
-                                 static_shape, dtype_known, ndim)
+        return self._whole_graph(F, x, params, call)
 
     def _cached_op(self, dtype, param_dtype, ndim):
         """The graph of an imperative call as one CachedOp, traced once per
@@ -82,32 +80,30 @@ class VectorBackend(Backend):
         return cached
 
     def _trace(self, dtype, ndim):
-        names = ('data', 'gamma', 'beta', 'running_mean', 'running_var')
-        out = self._whole_graph(symbol, *[symbol.var(n) for n in names], dtype=dtype,
-                                static_shape=False, dtype_known=True, ndim=ndim)
+        names = ('data',) + Params._fields
+        out = self._whole_graph(symbol, symbol.var('data'),
+                                Params(*[symbol.var(n) for n in Params._fields]),
+                                Call(dtype, static_shape=False, ndim=ndim, dtype_known=True))
         order = [names.index(n) for n in out.list_inputs()]
         return ndarray.CachedOp(out, flags=[('static_alloc', True)]), order
 
-    def _whole_graph(self, F, x, gamma, beta, running_mean, running_var, dtype, static_shape,
-                     dtype_known, ndim):
-        """The operators of a call; ``dtype_known``: ``x`` has dtype ``dtype``
-        (else ``dtype`` is the network's, and ``x`` may be narrower under
-        AMP); ``ndim``: its number of dimensions, or None where a graph
-        cannot tell."""
+    def _whole_graph(self, F, x, params, call):
+        """The operators of a call (:class:`~.base.Call` says what each of
+        its fields changes)."""
+        dtype = call.dtype
         half = dtype in LOW_PRECISION
         # Statistics in at least float32: float16 input is widened, then narrowed back.
         xs = F.Cast(x, dtype='float32') if half else x
-        if not dtype_known and dtype == 'float32' and amp_initialized():
+        if not call.dtype_known and dtype == 'float32' and amp_initialized():
             # Under AMP (amp.init()) a graph whose types are unknown may be
             # fed float16: amp_cast widens float16/bfloat16 and leaves
             # float32 alone. (Not for float64 networks: on CPU it is
             # MKL-DNN's and refuses it.)
             xs = F.amp_cast(x, dtype='float32')
-        out = self._graph(F, xs, gamma, beta, running_mean, running_var, dtype, static_shape,
-                          ndim)
+        out = self._graph(F, xs, params, call)
         return F.Cast(out, dtype=operator_dtype(dtype)) if half else out
 
-    def _graph(self, F, xs, gamma, beta, running_mean, running_var, dtype, static_shape, ndim):
+    def _graph(self, F, xs, params, call):
         """The output for ``xs`` (the input, widened): 8 operators, 9 with
         reshape_like, each a kernel on a GPU, around the backend's operator.
 
@@ -125,27 +121,26 @@ class VectorBackend(Backend):
         it to the output's dtype, where MXNet's broadcast operators would
         refuse any other (AMP makes float16 heads for float32 outputs).
         """
-        axis = self.kwargs['axis']
+        axis, ndim = self.kwargs['axis'], call.ndim
         m1 = F.mean(F.BlockGrad(xs), axis=axis, exclude=True, keepdims=True)
         xc = F.broadcast_sub(xs, m1)
         if ndim:
             m2, v = F.moments(xc, axes=tuple(i for i in range(ndim) if i != axis % ndim))
         else:
             m2, v = F.moments(*_channels_in_middle(F, xc, axis))
-        scale, shift = self._exchange(F, m1, m2, v, xs, gamma, beta, running_mean, running_var,
-                                      dtype, static_shape)
+        scale, shift = self._exchange(F, (m1, m2, v), xs, params, call)
         out = F.broadcast_add(F.broadcast_mul(xc, scale), shift)
-        return out if dtype in LOW_PRECISION else F.reshape_like(out, xs)
+        return out if call.dtype in LOW_PRECISION else F.reshape_like(out, xs)
 
-    def _exchange(self, F, m1, m2, v, data, gamma, beta, running_mean, running_var, dtype,
-                  static_shape):
-        """The operator on this device's moments (``m1`` shaped to broadcast
-        against the data, ``m2`` and ``v`` of shape (C,)): the (scale, shift)
+    def _exchange(self, F, moments, data, params, call):
+        """The operator on this device's moments ``(m1, m2, v)`` (``m1``
+        shaped to broadcast against the data, ``m2`` and ``v`` of shape
+        (C,)): the (scale, shift)
         that normalize ``x - m1``, each shaped like ``m1``; ``data``'s shape
         gives the sample count."""
         raise NotImplementedError
 
-    def _empty_slice(self, F, x, gamma, beta, running_mean, running_var, dtype):
+    def _empty_slice(self, F, x, params, dtype):
         """A slice with no samples: MXNet's reductions give NaN and its reshapes
         divide by zero on it, so the operator gets zero moments (the count,
         from the shape, is 0) and still joins both exchanges; the empty output
@@ -156,7 +151,7 @@ class VectorBackend(Backend):
         stat = 'float32' if dtype in LOW_PRECISION else dtype
         m1 = F.zeros(tuple(centre), ctx=x.context, dtype=stat)
         zeros = F.zeros((x.shape[axis],), ctx=x.context, dtype=stat)
-        scale, _ = self._exchange(F, m1, zeros, zeros, x, gamma, beta, running_mean,
-                                  running_var, dtype, False)
+        scale, _ = self._exchange(F, (m1, zeros, zeros), x, params,
+                                  Call(dtype, static_shape=False, ndim=x.ndim, dtype_known=True))
         # Not broadcast_add: its backward over a size-0 array segfaults in 1.9.1.
         return F.broadcast_mul(x, F.Cast(scale, dtype=operator_dtype(dtype)))
