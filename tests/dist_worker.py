@@ -28,7 +28,8 @@ from mxnet import autograd, gluon  # noqa: E402
 from gluon_syncbn import SyncBatchNorm, convert_model  # noqa: E402
 from tests.reference import (WorstErrors, grouped_batchnorm_float64,  # noqa: E402
                              max_rel_err, max_rel_err_where_finite)
-from tests.scenarios import build, copy_params, split_batch  # noqa: E402
+from tests.scenarios import copy_params, split_batch  # noqa: E402
+from tests.scenarios.networks import build  # noqa: E402
 
 
 SGD = {'learning_rate': 0.1, 'momentum': 0.9, 'wd': 1e-4}  # workers and reference alike
@@ -363,7 +364,7 @@ def _operators(net):
 
 def precise_bn(backend, devices, sizes, batches=3, hybridize=False, seed=0, offset=1e3,
                spread=0.0, nan_first=False, short=None):
-    """gluon_syncbn.update_bn_stats on tests.scenarios._PreciseNet across the
+    """gluon_syncbn.update_bn_stats on tests.scenarios.precise_bn._PreciseNet across the
     workers, each with its slices of the same global batches, against float64
     maths on the global batches; ``digest``: a checksum of the running
     statistics, which must be the same on every worker, and ``differs``
@@ -372,8 +373,8 @@ def precise_bn(backend, devices, sizes, batches=3, hybridize=False, seed=0, offs
     ``nan_first``: a training step on a batch with a NaN first (its running
     statistics NaN). ``short``: the rank whose data has one batch fewer (every
     worker then uses one batch fewer)."""
-    from tests.scenarios import (_PreciseNet, _precise_errors, _precise_float64,
-                                 _running_statistics)
+    from tests.scenarios.precise_bn import (_PreciseNet, _precise_errors, _precise_float64,
+                                            _running_statistics)
     if 0 in sizes:
         mx.util.set_np_shape(True)
     worker = Worker(backend, devices, sizes)

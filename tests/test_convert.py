@@ -272,7 +272,7 @@ def test_convert_model_passes_sync_groups_to_every_layer():
     assert len(found) == 20 and all(b._sync_groups == ((0, 2), (1, 3)) for b in found)
 
 
-# export(), SymbolBlock.imports, convert_model (scenarios.export_and_import):
+# export(), SymbolBlock.imports, convert_model (scenarios.convert.export_and_import):
 # a converted network (relu: its last norm layer nn.BatchNormReLU) trained
 # on 3 contexts, exported after a training step and after a predict call.
 EXPORTS = [dict(hybridize=True), dict(hybridize='static'), dict(hybridize=True, relu=True)]
@@ -330,7 +330,7 @@ def test_an_imported_export_converts_and_trains_synchronized(exported, case):
     assert r['export_is_the_import'] and not r['reverted_marks'], r
 
 
-# What a backward raises (scenarios.backward_errors), in every mode.
+# What a backward raises (scenarios.convert.backward_errors), in every mode.
 BACKWARD_MODES = [False, True, 'static']
 
 
@@ -361,7 +361,7 @@ def test_a_backward_error_names_our_layer_only_where_it_is_the_cause(backward, m
     assert r['after'] < 2e-6, r
 
 
-# Graphs whose layers would run per device (scenarios.refused_graph): each
+# Graphs whose layers would run per device (scenarios.convert.refused_graph): each
 # refused at once, the message naming the layers or nodes and the way that
 # works.
 REFUSED = {

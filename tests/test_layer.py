@@ -15,7 +15,7 @@ F32 = 1e-5          # relative, as the issue asks
 F16_OUT = 2e-3      # float16 output/input-gradient rounding (eps 9.8e-4)
 
 CASES = {
-    # id: kwargs of scenarios.layer_vs_reference
+    # id: kwargs of scenarios.layer.layer_vs_reference
     'N1': dict(shape=[4, 3, 5, 5], sizes=[4]),
     'N2-even': dict(shape=[6, 3, 4, 5], sizes=[3, 3]),
     'N3-7-uneven': dict(shape=[7, 3, 4, 5], sizes=[3, 2, 2]),

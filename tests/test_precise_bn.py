@@ -1,6 +1,6 @@
 """gluon_syncbn.update_bn_stats (precise BN) against float64 maths.
 
-Each case (``scenarios.precise_bn``) trains a two-layer network for two
+Each case (``scenarios.precise_bn.precise_bn``) trains a two-layer network for two
 Trainer steps without waiting, then recomputes its running statistics over
 4 random batches of random scale and offset, and compares every device's
 with float64 NumPy maths on the same batches: the averages, weighted by

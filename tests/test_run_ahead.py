@@ -18,7 +18,7 @@ from tests.conftest import PATHS, PATH_OPERATOR, result_of, run_batch
 F32 = 1e-5
 MODES = [False, True, 'static']
 # Steps abandoned with the layers' calls held behind a dot (they run after the
-# main thread has moved on), then 4 steps issued at once (scenarios.aborted_then_exact):
+# main thread has moved on), then 4 steps issued at once (scenarios.run_ahead.aborted_then_exact):
 # the first case, under hybridize(), is what the others' time is held to.
 ABORTS = [dict(hybridize=h) for h in (True, False, 'static_alloc', 'static')] + [
     dict(hybridize='static', cause='interrupt', aborts=3),
