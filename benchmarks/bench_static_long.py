@@ -1,10 +1,10 @@
 """Long static-graph training on CPU contexts: no stall, no slow-down.
 
-Static graphs keep the temp-space slot of their first call; while every CPU
-context drew from one pool, each turn of the pool handed a held slot to
-another device and training stalled (docs/findings.md, "static graphs stalled
-every N/K steps on CPU contexts"; now a pool per context,
-``native/cpu_resources.h``). This trains model-zoo ``resnet18_v1`` through
+Static graphs keep the temp-space slot of their first call; from one pool
+shared by every CPU context, each turn of the pool would hand a held slot to
+another device and training would stall (docs/findings.md, "static graphs
+stalled every N/K steps on CPU contexts"), hence a pool per context
+(``native/cpu_resources.h``). This trains model-zoo ``resnet18_v1`` through
 ``convert_model`` on N CPU contexts for ``--steps`` steps in each mode:
 ``static_shape`` (``static_alloc=True, static_shape=True``, which stalled) and
 ``static_alloc`` alone (the baseline, which never did), each in a fresh

@@ -9,15 +9,14 @@ the layer also needs, each waits for the other forever. That cannot happen
 while fewer operators that use such a slot are issued between the first and the
 last device's call of one layer than there are slots.
 
-Temp space no longer depends on that bound where the native library runs:
-at the first synchronized call on several CPU contexts it gives each context
-a temp-space pool of its own (``native/cpu_resources.h``,
-``Session.separate_cpu_temp_space``), as MXNet gives each GPU. A static_shape
-graph keeps its temp-space slots for its life, and from one shared pool the
-other operators' slots swept over them once per turn of the pool: a stall
-every few dozen steps whatever the number of slots. The shared pool's size
-still matters where that separation cannot be made (the layer warns) and for
-the random-number slots everywhere.
+Temp space does not depend on that bound: at the first synchronized call on
+several CPU contexts the native library gives each context a temp-space pool
+of its own (``native/cpu_resources.h``, ``Session.separate_cpu_temp_space``),
+as MXNet gives each GPU, because a static_shape graph keeps its temp-space
+slots for its life, and from one shared pool the other operators' slots
+would sweep over them once per turn of the pool, whatever the number of
+slots. The shared pool's size still matters where that separation cannot be
+made (the layer warns) and for the random-number slots everywhere.
 
 More slots are not free: each keeps the largest buffer it was ever handed
 (what that costs a process that does not synchronize: docs/design.md,

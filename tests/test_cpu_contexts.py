@@ -195,8 +195,8 @@ def test_configured_step_trains():
 
 def test_import_costs_nothing_to_one_context_training():
     # resnet18_v1 on one CPU context, with and without the import, in turns.
-    # Importing used to set 1024 temp-space slots: 17x the memory and 3.4x the
-    # time over these 60 steps. Loose bounds: this machine is noisy.
+    # 1024 temp-space slots set at import would cost 17x the memory and 3.4x
+    # the time over these 60 steps. Loose bounds: this machine is noisy.
     sys.path.insert(0, os.path.join(ROOT, 'benchmarks'))
     import bench_import  # pylint: disable=import-outside-toplevel
     res = bench_import.compare_import(steps=60, checkpoints=[30, 60], rounds=1, timeout=300)
