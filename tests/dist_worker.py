@@ -69,6 +69,19 @@ class Worker(object):
         return np.concatenate([parts[i] for i in self.mine])
 
 
+def _layer(worker, gamma, beta, hybridize, **kwargs):
+    """A SyncBatchNorm on the worker's devices, through its transport, with
+    ``gamma`` and ``beta``; ``hybridize='static'``: static_alloc and
+    static_shape."""
+    bn = SyncBatchNorm(in_channels=len(gamma), kvstore=worker.kvstore, timeout=60, **kwargs)
+    bn.initialize(ctx=worker.ctxs)
+    bn.gamma.set_data(mx.nd.array(gamma))
+    bn.beta.set_data(mx.nd.array(beta))
+    if hybridize:
+        bn.hybridize(static_alloc=hybridize == 'static', static_shape=hybridize == 'static')
+    return bn
+
+
 def layer(backend, devices, sizes, shape=(3, 4, 5), axis=1, steps=2, hybridize=False, seed=0,
           sync_groups=None, run_ahead=False, offset=1e3):
     """SyncBatchNorm across workers vs float64 maths on the global batch (or,
@@ -88,13 +101,7 @@ def layer(backend, devices, sizes, shape=(3, 4, 5), axis=1, steps=2, hybridize=F
     gamma = rng.uniform(0.5, 1.5, channels)
     beta = rng.uniform(-0.5, 0.5, channels)
     groups = partition(check_sync_groups(sync_groups), len(sizes), 'reference')
-    bn = SyncBatchNorm(axis=axis, in_channels=channels, kvstore=worker.kvstore, timeout=60,
-                       sync_groups=sync_groups)
-    bn.initialize(ctx=worker.ctxs)
-    bn.gamma.set_data(mx.nd.array(gamma))
-    bn.beta.set_data(mx.nd.array(beta))
-    if hybridize:
-        bn.hybridize(static_alloc=hybridize == 'static', static_shape=hybridize == 'static')
+    bn = _layer(worker, gamma, beta, hybridize, axis=axis, sync_groups=sync_groups)
     errs = WorstErrors()
     run = {i: (np.zeros(channels), np.ones(channels)) for i in worker.mine}
     issued = []
@@ -161,12 +168,7 @@ def moves(backend, devices, sizes, hybridize=False, seed=0, run_ahead=True, head
     rng = np.random.RandomState(seed)
     full, channels = (int(sum(sizes)), 3, 4, 5), 3
     gamma, beta = rng.uniform(0.5, 1.5, channels), rng.uniform(-0.5, 0.5, channels)
-    bn = SyncBatchNorm(in_channels=channels, kvstore=worker.kvstore, timeout=60)
-    bn.initialize(ctx=worker.ctxs)
-    bn.gamma.set_data(mx.nd.array(gamma))
-    bn.beta.set_data(mx.nd.array(beta))
-    if hybridize:
-        bn.hybridize(static_alloc=hybridize == 'static', static_shape=hybridize == 'static')
+    bn = _layer(worker, gamma, beta, hybridize)
     errs = WorstErrors()
     run = {i: (np.zeros(channels), np.ones(channels)) for i in worker.mine}
     groups = [list(range(len(sizes)))]
