@@ -32,6 +32,9 @@ def device_copy_fails(direction='forward', num_devices=3, hybridize=False, seed=
     for a in arrays:
         a.attach_grad()
     _step(net, arrays)
+    # Every copy of that step done before counting (its backward's copies
+    # down may still run after its outputs were read).
+    mx.nd.waitall()
     lib = gluon_syncbn.native.load()
     done = native_testing.cuda_calls(lib)
     copies = done['copies_up'] + done['copies_down'] + done['refused']
