@@ -135,9 +135,8 @@ class VectorBackend(Backend):
     def _exchange(self, F, moments, data, params, call):
         """The operator on this device's moments ``(m1, m2, v)`` (``m1``
         shaped to broadcast against the data, ``m2`` and ``v`` of shape
-        (C,)): the (scale, shift)
-        that normalize ``x - m1``, each shaped like ``m1``; ``data``'s shape
-        gives the sample count."""
+        (C,)): the (scale, shift) that normalize ``x - m1``, each shaped like
+        ``m1``; ``data``'s shape gives the sample count."""
         raise NotImplementedError
 
     def _empty_slice(self, F, x, params, dtype):
