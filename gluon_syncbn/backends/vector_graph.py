@@ -47,7 +47,7 @@ class VectorBackend(Backend):
     def forward(self, F, x, params, call):
         if F is ndarray:
             if x.size == 0:
-                return self._empty_slice(F, x, params, call.dtype)
+                return self._empty_slice(F, x, params, call)
             op, order = self._cached_op(call.dtype, dtype_name(params.gamma.dtype), x.ndim)
             arrays = (x,) + tuple(params)
             return op(*[arrays[i] for i in order])
@@ -139,18 +139,18 @@ class VectorBackend(Backend):
         ``m1``; ``data``'s shape gives the sample count."""
         raise NotImplementedError
 
-    def _empty_slice(self, F, x, params, dtype):
+    def _empty_slice(self, F, x, params, call):
         """A slice with no samples: MXNet's reductions give NaN and its reshapes
         divide by zero on it, so the operator gets zero moments (the count,
         from the shape, is 0) and still joins both exchanges; the empty output
         depends on scale so that its backward runs too."""
+        dtype = call.dtype
         axis = self.kwargs['axis'] % x.ndim
         centre = [1] * x.ndim
         centre[axis] = x.shape[axis]
         stat = 'float32' if dtype in LOW_PRECISION else dtype
         m1 = F.zeros(tuple(centre), ctx=x.context, dtype=stat)
         zeros = F.zeros((x.shape[axis],), ctx=x.context, dtype=stat)
-        scale, _ = self._exchange(F, (m1, zeros, zeros), x, params,
-                                  Call(dtype, static_shape=False, ndim=x.ndim, dtype_known=True))
+        scale, _ = self._exchange(F, (m1, zeros, zeros), x, params, call)
         # Not broadcast_add: its backward over a size-0 array segfaults in 1.9.1.
         return F.broadcast_mul(x, F.Cast(scale, dtype=operator_dtype(dtype)))
