@@ -80,6 +80,20 @@ TEMPLATES = {
         "SyncBatchNorm '{layer}': the workers are out of step at its {direction} reduction "
         "#{call} (slot {slot}): {workers}. Every worker must run the same network and call it "
         "the same number of times per step.",
+    'step_abandoned':
+        "SyncBatchNorm '{layer}': a training step was abandoned on some workers only (an "
+        "exception left their autograd.record() scope), found at its {direction} reduction "
+        "(slot {slot}): {workers}. A batch one worker skips would pair each of its later "
+        "steps with another worker's next one: skip a batch on every worker alike, or on "
+        "none.",
+    'worker_ended':
+        "SyncBatchNorm: worker {worker} ended its script{after} while worker {rank} {where}: "
+        "the workers ran different numbers of training steps. Give every worker the same "
+        "number of batches: shards of equal size, and a DataLoader with "
+        "last_batch='discard' (or 'rollover').",
+    'worker_failed':
+        "SyncBatchNorm: worker {worker} failed while worker {rank} {where}; see worker "
+        "{worker}'s log.",
     'layers_differ':
         "SyncBatchNorm '{layer}': the workers' networks differ at their layer #{number} to "
         "synchronize across workers: {workers}. Layers are matched across workers by the "
@@ -126,6 +140,10 @@ TEMPLATES = {
     'exit_helpers_gone':
         "gluon_syncbn: worker {rank} ends now with exit code 1: {why}, so the job cannot "
         "finish (ps-lite's barriers, the kvstore's final one at exit among them, meet there).",
+    'exit_others':
+        "gluon_syncbn: worker {rank} finished its script, but the job cannot end cleanly: "
+        "{why}. It exits now with code 0, without waiting in the engine's final "
+        "synchronization for workers that will not come; see their logs.",
     'exit_late':
         "gluon_syncbn: worker {rank} did not exit within {grace}s of a failed cross-process "
         "reduction: {cause}",

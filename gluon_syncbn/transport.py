@@ -84,6 +84,7 @@ class _CrossProcessTransport(object):
             if self.twin is None:
                 self.twin = self._make_native(lib)
                 _exit_state['library'] = lib
+                _exit_state['twins'].append(self.twin)
         return self.twin
 
     def agree_on_layer(self, lib, layer, devices):
@@ -94,6 +95,7 @@ class _CrossProcessTransport(object):
         (Its channels and dtype are compared at its first call, before its
         keys are made: ``native/session.h``, ``attach_remote``.)"""
         explicit = layer._sync_groups is not None
+        _exit_state['timeout'] = max(_exit_state['timeout'], layer._remote_timeout)
         error = lib.compare_layer(self.make_native(lib), layer.name,
                                   len(devices) if explicit else 0, repr(layer._sync_groups),
                                   layer._remote_timeout)
@@ -130,8 +132,13 @@ def use_patches(install_exit_guard, wrap_kvstore):
 # hold a failed worker until the others' timeouts, and a healthy one whose
 # synchronization broke for ever. What _at_exit needs: how the script ended
 # where that was a failure ((exit code, what ended it), noted by the hooks
-# _guard_exit installs), and the native library once a twin exists.
-_exit_state = {'failure': None, 'library': None}
+# _guard_exit installs), the native library once a twin exists, the twins,
+# and how long a finished worker waits for the others to end (the layers'
+# longest timeout for the other workers).
+_exit_state = {'failure': None, 'library': None, 'twins': [], 'timeout': 0.0}
+# How long a failing worker waits for its END rows to leave (none of their
+# rounds completes while other workers still train).
+FAILED_END_WAIT = 1.0
 
 
 def _guard_exit(rank):
@@ -151,21 +158,45 @@ def _at_exit(rank):
     its script's exit code, if the script failed (the other workers cannot
     go on without it; the job's launcher then ends them, naming this
     worker). Else let its last step finish, however long the other workers
-    take (the layers' timeouts bound it), and check again."""
+    take (the layers' timeouts bound it), check again, and wait for the
+    other workers to end too; where one failed or still trains instead,
+    end at once with code 0 (its script succeeded)."""
     lib = _exit_state['library']
     _exit_if_broken(lib, rank)
     failure = _exit_state['failure']
     if failure is not None:
         code, cause = failure
+        _tell_the_others(lib, failed=True)
         _exit_now(code, messages.text('exit_failed', rank=rank, code=code, cause=cause))
     if lib is not None:
         drain()  # a failed step's error: its cause is the library's, checked next
         _exit_if_broken(lib, rank)
+        others = _tell_the_others(lib, failed=False)
+        if others:
+            _exit_now(0, messages.text('exit_others', rank=rank, why=others))
+
+
+def _tell_the_others(lib, failed):
+    """This worker ends (``failed``: badly): every twin sends its END rows
+    (``native/remote.h``, ``end_remote``), so that a worker still training
+    fails at its next synchronized call, naming this one, instead of at its
+    timeout. Returns what the other workers did instead of ending their
+    scripts too, or '' (also where they did not end within the wait: the
+    interpreter's exit then waits for them, as MXNet's does)."""
+    if lib is None:
+        return ''
+    wait = FAILED_END_WAIT if failed else _exit_state['timeout']
+    for twin in _exit_state['twins']:
+        others = lib.end(twin, failed, wait)
+        if others:
+            return others
+    return ''
 
 
 def _exit_if_broken(lib, rank):
     broken = lib.broken() if lib is not None else ''
     if broken:
+        _tell_the_others(lib, failed=True)
         _exit_now(1, messages.text('exit_after', rank=rank, cause=broken))
 
 

@@ -231,7 +231,7 @@ def _trainer(worker, net, update_on_kvstore, compression):
 
 def train(backend, devices, sizes, steps=3, hybridize=False, image=8, seed=0, fault=None,
           timeout=None, update_on_kvstore=False, layers=3, dtype='float32', offset=1e3,
-          compression=False):
+          compression=False, short=0):
     """A Trainer loop across workers vs float64 full-batch training in one process.
 
     The images are ``offset`` away from zero, and a BN layer normalizes them
@@ -239,7 +239,9 @@ def train(backend, devices, sizes, steps=3, hybridize=False, image=8, seed=0, fa
     the tolerance). ``fault``: what goes wrong in step 2 (:func:`_fault`), or
     ``'skip_alike'`` (every worker raises inside ``record()`` at step 2,
     before any layer call, and skips that batch, as the reference does), or
-    ``'late'`` (worker 1 reaches its first step 3 timeouts late).
+    ``'late'`` (worker 1 reaches its first step 3 timeouts late), or
+    ``'skip_one'`` (worker 1 alone does what ``'skip_alike'`` does).
+    ``short``: worker 1's loop ends that many steps early.
     ``compression``: the Trainer's gradient compression (the kvstore's 2-bit,
     or Horovod's float16). ``timeout``: the layers' (None: their default;
     ``timeouts`` in the result).
@@ -276,12 +278,14 @@ def train(backend, devices, sizes, steps=3, hybridize=False, image=8, seed=0, fa
     errs = WorstErrors()
 
     for step in range(steps):
+        if worker.rank == 1 and step == steps - short:
+            break  # its shard ends early
         x = (rng.randn(batch, 3, image, image) + offset).astype(np.float32)
         label = rng.randint(0, 5, batch).astype(np.float32)
         faulty = worker.rank == 1 and fault is not None
         if fault == 'late' and faulty and step == 0:
             time.sleep(3 * timeout)
-        elif fault == 'skip_alike' and step == 1:
+        elif (fault == 'skip_alike' or fault == 'skip_one' and worker.rank == 1) and step == 1:
             try:
                 with autograd.record():
                     raise RuntimeError('a bad batch, skipped by every worker')

@@ -272,6 +272,39 @@ def test_a_failing_worker_ends_the_job_at_once_and_is_named(backend, launcher, f
     assert not re.search(r'failed on worker 0|fewer samples than', output), output[-3000:]
 
 
+# Workers whose loops differ (dist_worker.train): worker 1's shard ends two
+# steps early, or it alone skips a batch inside record(). With the layers'
+# default timeout (30 minutes across workers), the job ends in seconds: the
+# others learn it at their next synchronized call, named.
+UNEVEN = [
+    ({'short': 2, 'steps': 4},
+     r"worker 0 \(pid \d+\) failed with exit code 1: .*SyncBatchNorm '\w+': worker 1 ended "
+     r"its script after 2 fwd calls of this layer while worker 0 makes its fwd call #3: the "
+     r"workers ran different numbers of training steps\. Give every worker the same number "
+     r"of batches: shards of equal size, and a DataLoader with last_batch='discard' \(or "
+     r"'rollover'\)\.$"),
+    ({'fault': 'skip_one', 'steps': 4},
+     r"worker \d \(pid \d+\) failed with exit code 1: .*a training step was abandoned on "
+     r"some workers only .*: worker 0: its call #2 of this layer, after 0 abandoned steps; "
+     r"worker 1: its call #2 of this layer, after 1 abandoned step\. .*skip a batch on every "
+     r"worker alike, or on none\.$"),
+]
+
+
+@pytest.mark.parametrize('backend,launcher,uneven,expected',
+                         [b + u for b in BACKENDS for u in UNEVEN])
+def test_workers_that_run_different_steps_end_the_job_at_once_named(backend, launcher, uneven,
+                                                                    expected):
+    if backend == 'horovod' and HOROVOD:
+        pytest.skip(HOROVOD)
+    kwargs = dict(backend=backend, devices=1, sizes=[3, 2], **uneven)
+    code, output, elapsed, _ = run_job(2, 'train', kwargs, backend=launcher, deadline=120)
+    assert code == 1, output[-3000:]
+    last = output.strip().splitlines()[-1]
+    assert re.match(r'\[launch\] job stopped: ' + expected, last), output[-3000:]
+    assert elapsed < 30, elapsed
+
+
 def test_a_healthy_job_exits_0_with_its_last_step_in_flight_beside_a_cpu_hog():
     """The script ends right after issuing its last step. The last job's
     worker 1 starts that step 12 s late: worker 0's exit waits for it."""

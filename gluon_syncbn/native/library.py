@@ -62,6 +62,7 @@ class Library(object):
                 ('gsbn_store_lock', [c.c_int, c.c_int], None),
                 ('gsbn_compare_layer', [c.c_int, c.c_char_p, c.c_int, c.c_char_p, c.c_double,
                                         c.c_char_p, c.c_int], c.c_int),
+                ('gsbn_end', [c.c_int, c.c_int, c.c_double, c.c_char_p, c.c_int], c.c_int),
                 ('gsbn_agree_on_batch', [c.c_int, c.c_int, c.c_int, c.c_double,
                                          c.POINTER(c.c_int), c.POINTER(c.c_int), c.c_char_p,
                                          c.c_int], c.c_int)]:
@@ -220,6 +221,15 @@ class Library(object):
         """A cross-process transport; returns its id (0: unknown ``kind``)."""
         return self._lib.gsbn_transport_create(kind.encode(), target, sum_op, rank, workers,
                                                name.encode(), exit_grace)
+
+    def end(self, transport, failed, timeout):
+        """This worker ends (its script finished, or ``failed``): tell the
+        other workers through ``transport`` and wait at most ``timeout``
+        seconds for theirs. '' where every other worker ended its script too,
+        None where they did not in time, else what they did instead."""
+        buf = ctypes.create_string_buffer(_TEXT)
+        code = self._lib.gsbn_end(transport, int(failed), float(timeout), buf, len(buf))
+        return None if code < 0 else buf.value.decode('utf-8', 'replace') if code else ''
 
     def close_transport(self, transport, why):
         self._lib.gsbn_transport_close(transport, why.encode())

@@ -8,7 +8,9 @@
 #pragma once
 #include <algorithm>
 #include <array>
+#include <chrono>
 #include <cmath>
+#include <condition_variable>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -32,12 +34,14 @@ size_t row_size(const Layer& layer, size_t size) {
 
 // This worker's check numbers for a reduction of vectors of `size`: the
 // layer's width, the call's number and dtype, and the step token (as many
-// abandoned steps as the others); whole numbers below 2^24.
-std::array<double, kCheckRow> own_checks(const Key& key, size_t size, const std::string& dtype) {
+// abandoned steps as the others), compared; then `round`, the reduction's
+// number on its key (wire.h, CHECKED); whole numbers below 2^24.
+std::array<double, kCheckRow> own_checks(const Key& key, size_t size, const std::string& dtype,
+                                         int64_t round) {
   return {static_cast<double>(std::get<0>(key) == 0 ? forward_channels(size)
                                                     : backward_channels(size)),
           modulo_2_20(static_cast<uint64_t>(std::get<2>(key))), dtype_code(dtype),
-          modulo_2_20(std::get<1>(key))};
+          modulo_2_20(std::get<1>(key)), modulo_2_20(static_cast<uint64_t>(round))};
 }
 
 std::string reduction_failed(const Layer& layer, const Key& key, const std::string& why) {
@@ -56,19 +60,40 @@ bool whole_numbers(const double* numbers, size_t size) {
 }
 
 // "worker 0: 3 channels, call #2, float32; worker 1: ..." from the rows of
-// `row` numbers (each worker's abandoned steps too, where they differ).
-std::string describe_checks(const double* rows, int workers, size_t row) {
-  bool tokens_differ = false;
-  for (int r = 1; r < workers; ++r) tokens_differ = tokens_differ || rows[r * row + 3] != rows[3];
+// `row` numbers; where the workers abandoned different numbers of steps,
+// "worker 0: its call #3 of this layer, after 0 abandoned steps; ...".
+std::string describe_checks(const double* rows, int workers, size_t row, bool tokens_differ) {
   std::string out;
   for (int r = 0; r < workers; ++r) {
     const double* checks = rows + r * row;
-    out += (r ? "; worker " : "worker ") + std::to_string(r) + ": " + number(checks[0]) +
-           " channels, call #" + number(checks[1]) + ", " + dtype_of_code(checks[2]);
+    out += (r ? "; worker " : "worker ") + std::to_string(r) + ": ";
     if (tokens_differ)
-      out += ", after " + number(checks[3]) + " abandoned step" + (checks[3] == 1 ? "" : "s");
+      out += "its call #" + number(checks[4]) + " of this layer, after " + number(checks[3]) +
+             " abandoned step" + (checks[3] == 1 ? "" : "s");
+    else
+      out += number(checks[0]) + " channels, call #" + number(checks[1]) + ", " +
+             dtype_of_code(checks[2]);
   }
   return out;
+}
+
+// Why worker `r`, which ended (`how`: kEndFinished or kEndFailed; `after`:
+// what it did last), cannot take part where worker `rank` is now (`where`).
+std::string end_message(int r, double how, const std::string& after, int rank,
+                        const std::string& where) {
+  return message(how == kEndFailed ? "worker_failed" : "worker_ended",
+                 {{"worker", std::to_string(r)}, {"after", after},
+                  {"rank", std::to_string(rank)}, {"where", where}});
+}
+
+// Why worker `r` (whose END row is `checks`, wire.h) cannot take part in
+// this worker's reduction `key` of `layer`, the `round`-th on its key.
+std::string ended_message(const Layer& layer, const Key& key, int r, const double* checks,
+                          int64_t round) {
+  const std::string dir = direction_name(key);
+  return end_message(r, checks[3], " after " + number(checks[4]) + " " + dir +
+                                       " calls of this layer",
+                     layer.transport->rank, "makes its " + dir + " call #" + std::to_string(round));
 }
 
 void complete_remote(const std::shared_ptr<Layer>& layer, const Key& key,
@@ -86,7 +111,8 @@ std::string start_remote_locked(Layer& layer, const Key& key, const std::shared_
   const int numbers = t.numbers_per_value();
   std::vector<double> payload(t.workers * row + layer.ownership.size(), 0.0);
   double* own = &payload[t.rank * row];
-  const auto checks = own_checks(key, size, meeting->dtypes[0]);
+  const auto checks = own_checks(key, size, meeting->dtypes[0],
+                                 t.rounds(layer.slot, std::get<0>(key)) + 1);
   std::copy(checks.begin(), checks.end(), own);
   for (size_t i = 0; i < meeting->result.size(); ++i)
     encode_exact(meeting->result[i], numbers, own + kCheckRow + i * numbers);
@@ -121,13 +147,16 @@ std::string check_remote_locked(const Layer& layer, const Key& key, Meeting& mee
            " with " + std::to_string(total.size()) + " numbers instead of " +
            std::to_string(t.workers * row + owners) + "; this is a bug in gluon_syncbn, "
            "please report it.";
-  const auto own = own_checks(key, size, meeting.dtypes[0]);
-  bool whole = true, missing = false, differ = false;
+  const auto own = own_checks(key, size, meeting.dtypes[0], 0);
+  bool whole = true, missing = false, differ = false, tokens_differ = false;
   for (int r = 0; r < t.workers; ++r) {
     const double* checks = &total[r * row];
     whole = whole && whole_numbers(checks, kCheckRow);
+    if (checks[2] == kEndDtype && r != t.rank)  // that worker ended
+      return ended_message(layer, key, r, checks, t.rounds(layer.slot, std::get<0>(key)));
     missing = missing || checks[0] == 0;  // every worker's call has channels
-    differ = differ || !std::equal(own.begin(), own.end(), checks);
+    differ = differ || !std::equal(own.begin(), own.begin() + kCompared, checks);
+    tokens_differ = tokens_differ || checks[3] != own[3];
   }
   if (!whole || !whole_numbers(&total[t.workers * row], owners))
     return message("sums_changed", {{"transport", t.name}, {"direction", direction_name(key)},
@@ -135,10 +164,11 @@ std::string check_remote_locked(const Layer& layer, const Key& key, Meeting& mee
   if (missing)
     return reduction_failed(layer, key, "no sum came back (the engine reported an error on it)");
   if (differ)
-    return message("out_of_step", {{"layer", layer.name}, {"direction", direction_name(key)},
-                                   {"call", std::to_string(std::get<2>(key))},
-                                   {"slot", std::to_string(layer.slot)},
-                                   {"workers", describe_checks(total.data(), t.workers, row)}});
+    return message(tokens_differ ? "step_abandoned" : "out_of_step",
+                   {{"layer", layer.name}, {"direction", direction_name(key)},
+                    {"call", std::to_string(std::get<2>(key))},
+                    {"slot", std::to_string(layer.slot)},
+                    {"workers", describe_checks(total.data(), t.workers, row, tokens_differ)}});
   std::string clashes;
   for (size_t i = 0; i < owners; ++i)
     if (total[t.workers * row + i] != 1)
@@ -207,6 +237,7 @@ std::string describe_control(const std::vector<double>& rows, int workers) {
            (row[0] == kLayerKind   ? "setting up layer " + layer
             : row[0] == kKeysKind  ? "at the first call of layer " + layer
             : row[0] == kBatchKind ? "in update_bn_stats, at batch #" + number(row[1] + 1)
+            : row[0] == kEndKind   ? std::string("ending")
                                    : std::string("no setup it could name"));
   }
   return out;
@@ -259,6 +290,9 @@ std::string agree_on_layer(const std::shared_ptr<Transport>& t, const std::vecto
                                      {"layer", name}, {"slot", "-"}});
   }
   for (int r = 0; r < t->workers && error.empty(); ++r)
+    if (rows[r * kControlRow] == kEndKind)
+      error = end_message(r, rows[r * kControlRow + 1], "", t->rank, "was to " + what);
+  for (int r = 0; r < t->workers && error.empty(); ++r)
     if (rows[r * kControlRow] != row[0])
       error = message("setup_out_of_step", {{"what", what},
                                             {"workers", describe_control(rows, t->workers)}});
@@ -306,6 +340,11 @@ std::string agree_on_batch(const std::shared_ptr<Transport>& t, int batch, bool 
                             error;
     return setup_failed(t, error), error;
   }
+  for (int r = 0; r < t->workers; ++r)
+    if (rows[r * kControlRow] == kEndKind) {
+      error = end_message(r, rows[r * kControlRow + 1], "", t->rank, "was to " + what);
+      return setup_failed(t, error), error;
+    }
   for (int r = 0; r < t->workers; ++r)
     if (rows[r * kControlRow] != kBatchKind || rows[r * kControlRow + 1] != batch) {
       error = message("setup_out_of_step", {{"what", what},
@@ -363,3 +402,69 @@ bool attach_remote(Layer& layer, int64_t channels, const std::string& dtype, std
 }
 
 }  // namespace
+
+// -------------------------------------------------------------------- end --
+// A worker that ends tells the others on every key they could wait on: an
+// END row (wire.h) on each idle key of its transport, its script finished
+// (kEndFinished, once its last step is done) or failed (kEndFailed). A
+// worker still calling finds that row among the rows of its next reduction,
+// wherever it waits, and fails naming this one (ended_message); once every
+// worker ended, each key's END round completes.
+
+// What worker `r`'s row of a finished END round on key `k` says, if it is
+// not an END of a finished script: "" or why this worker cannot end cleanly.
+std::string seen_at_end(const Transport::KeyState& k, const double* row, int r) {
+  const std::string worker = "worker " + std::to_string(r);
+  if (k.slot == kControlSlot)
+    return row[0] != kEndKind ? worker + " was still setting up layers"
+           : row[1] == kEndFailed ? worker + " failed" : "";
+  if (row[2] == kEndDtype) return row[3] == kEndFailed ? worker + " failed" : "";
+  return worker + " still made training calls (its " + (k.dir ? "bwd" : "fwd") + " call #" +
+         number(row[4]) + " of the layer in slot " + std::to_string(k.slot) + ")";
+}
+
+// Sends this worker's END rows through `t` (`how`: kEndFinished or
+// kEndFailed) and waits at most `timeout` seconds for their rounds. ""
+// where every other worker ended its script too; else what the others did
+// instead, or, with `late` set, that they did not end in time.
+std::string end_remote(const std::shared_ptr<Transport>& t, int how, double timeout,
+                       bool* late) {
+  struct Rounds {
+    std::mutex mutex;
+    std::condition_variable cv;
+    size_t left = 0;
+    std::string seen;
+  };
+  auto rounds = std::make_shared<Rounds>();
+  std::vector<Transport::KeyState> idle;
+  if (!t->closed())
+    for (const auto& k : t->keys())
+      if (!k.busy) idle.push_back(k);
+  rounds->left = idle.size();
+  for (const auto& k : idle) {
+    std::vector<double> payload(k.size, 0.0);
+    double* own = &payload[t->rank * k.row];
+    if (k.slot == kControlSlot) {
+      const auto row = pack_control(kEndKind, {static_cast<double>(how)}, "", "");
+      std::copy(row.begin(), row.end(), own);
+    } else {
+      own[2] = kEndDtype;
+      own[3] = how;
+      own[4] = modulo_2_20(static_cast<uint64_t>(k.rounds));
+    }
+    t->start(k.slot, k.dir, payload, [rounds, t, k](const std::string& error,
+                                                     const std::vector<double>& total) {
+      std::string seen = error.empty() ? "" : "a reduction failed (" + error + ")";
+      for (int r = 0; r < t->workers && seen.empty(); ++r)
+        if (r != t->rank) seen = seen_at_end(k, &total[r * k.row], r);
+      std::lock_guard<std::mutex> lock(rounds->mutex);
+      if (rounds->seen.empty()) rounds->seen = seen;
+      --rounds->left;
+      rounds->cv.notify_all();
+    });
+  }
+  std::unique_lock<std::mutex> lock(rounds->mutex);
+  *late = !rounds->cv.wait_for(lock, std::chrono::duration<double>(timeout),
+                               [&rounds]() { return rounds->left == 0 || !rounds->seen.empty(); });
+  return *late ? "the other workers did not end within " + number(timeout) + "s" : rounds->seen;
+}

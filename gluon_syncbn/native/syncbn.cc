@@ -386,6 +386,19 @@ int gsbn_agree_on_batch(int transport, int batch, int has, double timeout, int* 
   return 0;
 }
 
+// This worker ends through `transport` (remote.h, end_remote): its script
+// finished, or failed (`failed`). Waits at most `timeout` seconds for the
+// other workers' ends. 0 where every other worker ended its script too, -1
+// where they did not within `timeout`; else the length of what they did
+// instead, in `text`.
+int gsbn_end(int transport, int failed, double timeout, char* text, int size) {
+  auto t = find_transport(transport);
+  if (!t) return 0;
+  bool late = false;
+  const std::string seen = end_remote(t, failed ? kEndFailed : kEndFinished, timeout, &late);
+  return late ? -1 : seen.empty() ? 0 : copy_out(seen, text, size);
+}
+
 }  // extern "C"
 
 #ifdef GSBN_TESTING

@@ -33,8 +33,10 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "arrays.h"
@@ -209,9 +211,39 @@ class Transport {
     Buffer b;
     {
       std::lock_guard<std::mutex> lock(slots_mutex_);
-      b = slots_.at(slot)[dir];
+      b = slot == kControlSlot ? control_ : slots_.at(slot)[dir];
     }
     start_on(b, slot, dir, payload, std::move(done));
+  }
+
+  // A key as end_remote (remote.h) sees it: where it is, its numbers per
+  // worker's row and in all, how many reductions this worker started on
+  // it, and whether one is in flight now.
+  struct KeyState {
+    int slot, dir;
+    size_t row, size;
+    int64_t rounds;
+    bool busy;
+  };
+
+  // Every key made so far, the control key first.
+  std::vector<KeyState> keys() {
+    std::lock_guard<std::mutex> lock(slots_mutex_);
+    std::vector<KeyState> out;
+    if (control_.array != nullptr)
+      out.push_back(key_locked(kControlSlot, 0, control_));
+    for (size_t slot = 0; slot < slots_.size(); ++slot)
+      for (int dir = 0; dir < 2; ++dir)
+        out.push_back(key_locked(static_cast<int>(slot), dir, slots_[slot][dir]));
+    return out;
+  }
+
+  // How many reductions this worker started on slot `slot`'s key of
+  // direction `dir`: the layer's calls in that direction so far.
+  int64_t rounds(int slot, int dir) const {
+    std::lock_guard<std::mutex> lock(slots_mutex_);
+    auto it = rounds_.find({slot, dir});
+    return it == rounds_.end() ? 0 : it->second;
   }
 
   // How many slots there are: the layers whose keys were made.
@@ -236,6 +268,7 @@ class Transport {
 
   // The store was destroyed: every later reduction fails with `why`.
   virtual void close(const std::string& why) {}
+  virtual bool closed() { return false; }
 
   // Why the engine's own processes cannot answer (a kvstore's scheduler
   // gone), or "": for the messages of a wait that timed out, and a worker's
@@ -259,10 +292,19 @@ class Transport {
                       std::function<void(const std::string&)> failed) = 0;
 
  private:
-  std::mutex slots_mutex_;  // add_slot (main thread) against start (engine threads)
+  mutable std::mutex slots_mutex_;  // add_slot (main thread) against start (engine threads)
   std::vector<std::array<Buffer, 2>> slots_;
   int layers_ = 0;
   Buffer control_;  // the control key (kControlSlot): made at the first layer's first call
+  // Per key (slot, dir): reductions started, and the keys with one in flight.
+  std::map<std::pair<int, int>, int64_t> rounds_;
+  std::set<std::pair<int, int>> busy_;
+
+  KeyState key_locked(int slot, int dir, const Buffer& b) {
+    auto it = rounds_.find({slot, dir});
+    return KeyState{slot, dir, b.row, b.size, it == rounds_.end() ? 0 : it->second,
+               busy_.count({slot, dir}) > 0};
+  }
 
   bool make_buffer(size_t row, size_t extra, Buffer* b, std::string* error) {
     const size_t size = workers * row + extra;
@@ -298,8 +340,21 @@ class Transport {
     if (payload.size() != b.size)
       return done(name + " got " + std::to_string(payload.size()) + " numbers for a key of " +
                   std::to_string(b.size), {});
+    {
+      std::lock_guard<std::mutex> lock(slots_mutex_);
+      ++rounds_[{slot, dir}];
+      busy_.insert({slot, dir});
+    }
     b.write(payload);
-    auto* r = new Reduction{b, std::move(done)};
+    // Idle again once its sum (or error) is handed on.
+    auto* r = new Reduction{b, [this, slot, dir, done](const std::string& error,
+                                                      const std::vector<double>& total) {
+      {
+        std::lock_guard<std::mutex> lock(slots_mutex_);
+        busy_.erase({slot, dir});
+      }
+      done(error, total);
+    }};
     reduce(slot, dir, b, [r, this]() {
       NDArrayHandle array = r->buffer.array;
       if (MXEnginePushSyncND(read_buffer, r, delete_reduction, kCPU0, &array, 1, nullptr, 0,
@@ -395,6 +450,7 @@ class KVStoreTransport : public Transport {
     std::lock_guard<std::mutex> guard(closed_mutex_);
     closed_ = why;
   }
+  bool closed() override { return !closed_reason().empty(); }
 
   // ps-lite's scheduler is where the workers' and servers' barriers meet
   // (the store's final one at exit among them): a worker whose scheduler is

@@ -10,22 +10,28 @@
 //     stays in the call it is in (nothing is carried from call to call).
 // BACKWARD [sum dy (C), sum dy*(x - mean) (C)]
 //     with the global mean; summed.
-// CHECKED  [one row per worker: channels, call, dtype, token, its vector][ownership]
+// CHECKED  [one row per worker: channels, call, dtype, token, round, its vector][ownership]
 //     a process's vector across processes. Each worker fills its own row (the
 //     others are zeros), so the engine's sum gathers every worker's, which
 //     each worker then combines in rank order: the same numbers, in the same
-//     order, on every worker. The check numbers of every row must be this
-//     worker's: the same layer width, call number and dtype, and the same
-//     token (as many abandoned steps), or the workers are out of step. The
-//     vector's numbers are encoded exactly for the engine (encode_exact);
-//     ownership, 1 per global device from its owner, must sum to all ones
-//     (explicit sync_groups).
+//     order, on every worker. The first four check numbers of every row must
+//     be this worker's: the same layer width, call number and dtype, and the
+//     same token (as many abandoned steps), or the workers are out of step;
+//     the round (the layer's calls in that direction so far, counted from
+//     the first) is for messages. The vector's numbers are encoded exactly
+//     for the engine (encode_exact); ownership, 1 per global device from its
+//     owner, must sum to all ones (explicit sync_groups).
+// END      a worker's last row on every idle key, CHECKED or CONTROL, when it
+//     ends (remote.h, end_remote): [0 channels, 0, kEndDtype, how it ended
+//     (kEndFinished, kEndFailed), its round] or CONTROL kind kEndKind with
+//     field `how`. A worker still calling finds it among the rows of its
+//     next reduction and learns that the other ended, and how.
 // CONTROL  [one row per worker: kind, fields, name bytes, sync_groups bytes]
 //     what the workers must agree on outside a layer's calls, through one
 //     key in the order they ask: a layer's sync groups when it is made
 //     (kLayerKind: devices, their digest, name and text), its channels and
-//     dtype at its first call, before its keys are made (kKeysKind), and
-//     update_bn_stats' batches (kBatchKind).
+//     dtype at its first call, before its keys are made (kKeysKind),
+//     update_bn_stats' batches (kBatchKind), and a worker's end (kEndKind).
 //
 // Every number an engine adds is a whole number below 2^24 (exact in
 // float32: the call number and token modulo 2^20) or a number whose other
@@ -127,8 +133,13 @@ double decode_exact(const double* in, int numbers) {
   return std::ldexp((in[1] + in[2]) + in[3], static_cast<int>(in[0]));
 }
 
-// The check numbers at the head of a worker's CHECKED row.
-const size_t kCheckRow = 4;
+// The check numbers at the head of a worker's CHECKED row, the first
+// kCompared of them compared across workers.
+const size_t kCheckRow = 5, kCompared = 4;
+
+// An END row's dtype code, and how its worker ended.
+const double kEndDtype = 255;
+enum { kEndFinished = 1, kEndFailed = 2 };
 
 // The dtypes of a layer's input by code (0: none).
 const char* const kDtypes[] = {"", "float32", "float64", "float16", "bfloat16"};
@@ -155,7 +166,7 @@ double modulo_2_20(uint64_t value) { return static_cast<double>(value % (1u << 2
 const size_t kNameBytes = 48, kGroupsBytes = 32;
 const size_t kControlHead = 7;
 const size_t kControlRow = kControlHead + kNameBytes + kGroupsBytes;
-enum { kLayerKind = 1, kBatchKind = 2, kKeysKind = 3 };
+enum { kLayerKind = 1, kBatchKind = 2, kKeysKind = 3, kEndKind = 4 };
 
 // A 24-bit digest of `text` (FNV-1a, folded): a whole number exact in float32.
 double digest24(const std::string& text) {
