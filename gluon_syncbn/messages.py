@@ -98,8 +98,9 @@ TEMPLATES = {
         "SyncBatchNorm '{layer}': the workers' networks differ at their layer #{number} to "
         "synchronize across workers: {workers}. Layers are matched across workers by the "
         "order of their first training calls: every worker must run the same network, built "
-        "the same way (with the same names: give it the same prefix=; with the same "
-        "sync_groups, over as many devices where they are explicit).",
+        "the same way (the same channels, dtype and sync_groups, over as many devices where "
+        "they are explicit, and the same names where you gave them: Gluon's automatic "
+        "numbering is not compared).",
     'setup_timeout':
         "SyncBatchNorm: worker {rank} of {workers} waited {timeout}s for the other workers to "
         "{what} ({transport}). A worker died, hangs, runs a network with fewer SyncBatchNorm "

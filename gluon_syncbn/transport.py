@@ -27,6 +27,7 @@ the other workers, which wait for its sums until their timeout.
 import ctypes
 import functools
 import os
+import re
 import sys
 import threading
 import weakref
@@ -89,14 +90,15 @@ class _CrossProcessTransport(object):
 
     def agree_on_layer(self, lib, layer, devices):
         """Before ``layer``'s backend on ``devices`` is made: every worker's
-        layer made in its place must have the same name and sync_groups
-        (with, where they are explicit, as many devices to number), or every
-        worker raises the same error, before the sync groups are worked out.
-        (Its channels and dtype are compared at its first call, before its
-        keys are made: ``native/session.h``, ``attach_remote``.)"""
+        layer made in its place must have the same sync_groups (with, where
+        they are explicit, as many devices to number) and name, Gluon's
+        counters aside (:func:`matched_name`), or every worker raises the
+        same error, before the sync groups are worked out. (Its channels and
+        dtype are compared at its first call, before its keys are made:
+        ``native/remote.h``, ``attach_remote``.)"""
         explicit = layer._sync_groups is not None
         _exit_state['timeout'] = max(_exit_state['timeout'], layer._remote_timeout)
-        error = lib.compare_layer(self.make_native(lib), layer.name,
+        error = lib.compare_layer(self.make_native(lib), layer.name, matched_name(layer.name),
                                   len(devices) if explicit else 0, repr(layer._sync_groups),
                                   layer._remote_timeout)
         if error:
@@ -110,6 +112,31 @@ class _CrossProcessTransport(object):
         if error:
             raise SyncBatchNormError(error)
         return lacking
+
+
+def matched_name(name):
+    """``name`` as the workers compare it: without the numbers Gluon's
+    automatic names count blocks with (``'hybridsequential1_batchnorm0'``
+    -> ``'hybridsequential_batchnorm'``), which differ between workers
+    wherever one made blocks the others did not (an EMA or evaluation copy
+    on rank 0), although nothing that synchronizes differs. A number after
+    a name no Block class has (``'bn1'``, from ``prefix='bn1_'``) is the
+    user's, and stays."""
+    aliases = _block_aliases()
+    return re.sub(r'(?<![a-z0-9])([a-z][a-z0-9]*?)\d+(?=_|$)',
+                  lambda m: m.group(1) if m.group(1) in aliases else m.group(0), name)
+
+
+def _block_aliases():
+    """The names Gluon counts automatic prefixes of: every Block class's
+    own, in lower case (``Block._alias``)."""
+    import mxnet as mx  # pylint: disable=import-outside-toplevel
+    found, todo = set(), [mx.gluon.Block]
+    while todo:
+        cls = todo.pop()
+        found.add(cls.__name__.lower())
+        todo.extend(cls.__subclasses__())
+    return found
 
 
 # ------------------------------------------------------------ the patches --

@@ -231,7 +231,7 @@ def _trainer(worker, net, update_on_kvstore, compression):
 
 def train(backend, devices, sizes, steps=3, hybridize=False, image=8, seed=0, fault=None,
           timeout=None, update_on_kvstore=False, layers=3, dtype='float32', offset=1e3,
-          compression=False, short=0):
+          compression=False, short=0, rank0_net=False):
     """A Trainer loop across workers vs float64 full-batch training in one process.
 
     The images are ``offset`` away from zero, and a BN layer normalizes them
@@ -241,7 +241,10 @@ def train(backend, devices, sizes, steps=3, hybridize=False, image=8, seed=0, fa
     before any layer call, and skips that batch, as the reference does), or
     ``'late'`` (worker 1 reaches its first step 3 timeouts late), or
     ``'skip_one'`` (worker 1 alone does what ``'skip_alike'`` does).
-    ``short``: worker 1's loop ends that many steps early.
+    ``short``: worker 1's loop ends that many steps early. ``rank0_net``:
+    rank 0 alone first builds a network of its own (an evaluation copy,
+    converted with the job's kvstore, which shifts Gluon's automatic names
+    of every later block) and runs it in inference mode after each step.
     ``compression``: the Trainer's gradient compression (the kvstore's 2-bit,
     or Horovod's float16). ``timeout``: the layers' (None: their default;
     ``timeouts`` in the result).
@@ -250,6 +253,10 @@ def train(backend, devices, sizes, steps=3, hybridize=False, image=8, seed=0, fa
     rng = np.random.RandomState(seed)
     mx.random.seed(seed)
     batch = int(sum(sizes))
+    if rank0_net and worker.rank == 0:
+        rank0_net = convert_model(build('conv', 'plain', layers=layers, input_norm=True),
+                                  kvstore=worker.kvstore, timeout=timeout)
+        rank0_net.initialize(ctx=worker.ctxs)
     ref = build('conv', 'plain', layers=layers, input_norm=True)
     ref.initialize(mx.init.Xavier(), ctx=mx.cpu(0))
     net = convert_model(build('conv', 'plain', layers=layers, input_norm=True),
@@ -261,8 +268,10 @@ def train(backend, devices, sizes, steps=3, hybridize=False, image=8, seed=0, fa
     ref(x0)
     net(x0.as_in_context(worker.ctxs[0]))
     # Xavier draws differ between processes: every worker copies a fixed draw
+    # (by the name rank 0's own network leaves alone: not the block's number)
     for p in ref.collect_params().values():
-        p.set_data(mx.nd.array(np.random.RandomState(zlib.crc32(p.name.encode())).uniform(
+        key = re.sub(r'^convstack\d+_', '', p.name) if rank0_net is not False else p.name
+        p.set_data(mx.nd.array(np.random.RandomState(zlib.crc32(key.encode())).uniform(
             -0.3, 0.3, p.shape) + (1.0 if p.name.endswith(('gamma', 'running_var')) else 0.0)))
     copy_params(ref, net)
     ref.cast('float64')
@@ -300,6 +309,8 @@ def train(backend, devices, sizes, steps=3, hybridize=False, image=8, seed=0, fa
                 raise RuntimeError('worker 1 fails inside record()')
         autograd.backward(losses)
         trainer.step(step_batch)
+        if rank0_net and worker.rank == 0:
+            rank0_net(xs[0])  # an evaluation on rank 0 only
         mx.nd.waitall()
         with autograd.record():
             ref_loss = loss_fn(ref(mx.nd.array(x, dtype='float64')),

@@ -114,6 +114,9 @@ def test_far_from_zero_over_dist_kvstore_matches_float64(backend, offset, extra)
     # every worker abandons step 2 inside record() before any layer call
     # and skips that batch, as the reference does: it costs nothing more
     (2, 2, [1, 3, 2, 1], {'fault': 'skip_alike', 'steps': 4}),
+    # rank 0 alone has a network of its own (other automatic names from
+    # then on), which it runs in inference mode: it changes nothing
+    (2, 2, [1, 3, 2, 1], {'rank0_net': True, 'hybridize': True}),
 ])
 def test_trainer_over_dist_kvstore_matches_full_batch_training(workers, devices, sizes, extra):
     kwargs = dict(backend='dist_sync', devices=devices, sizes=sizes, **extra)
@@ -445,11 +448,12 @@ def test_layer_over_horovod_matches_float64(devices, sizes, sync_groups):
     assert_exact(code, output, results, 2)
 
 
-@pytest.mark.parametrize('hybridize', [False, True])
-def test_horovod_trainer_matches_full_batch_training(hybridize):
+@pytest.mark.parametrize('hybridize,rank0_net', [(False, False), (True, True)])
+def test_horovod_trainer_matches_full_batch_training(hybridize, rank0_net):
     if HOROVOD:
         pytest.skip(HOROVOD)
-    kwargs = dict(backend='horovod', devices=1, sizes=[3, 2], hybridize=hybridize)
+    kwargs = dict(backend='horovod', devices=1, sizes=[3, 2], hybridize=hybridize,
+                  rank0_net=rank0_net)
     code, output, _, results = run_job(2, 'train', kwargs, backend='horovod')
     assert_exact(code, output, results, 2, tol=5e-6)
 

@@ -60,7 +60,8 @@ class Library(object):
                                            c.c_char_p, c.c_double], c.c_int),
                 ('gsbn_transport_close', [c.c_int, c.c_char_p], None),
                 ('gsbn_store_lock', [c.c_int, c.c_int], None),
-                ('gsbn_compare_layer', [c.c_int, c.c_char_p, c.c_int, c.c_char_p, c.c_double,
+                ('gsbn_compare_layer', [c.c_int, c.c_char_p, c.c_char_p, c.c_int, c.c_char_p,
+                                        c.c_double,
                                         c.c_char_p, c.c_int], c.c_int),
                 ('gsbn_end', [c.c_int, c.c_int, c.c_double, c.c_char_p, c.c_int], c.c_int),
                 ('gsbn_agree_on_batch', [c.c_int, c.c_int, c.c_int, c.c_double,
@@ -92,12 +93,13 @@ class Library(object):
             (c.c_int * len(devices))(*sync_group_of), num_sync_groups, transport or 0,
             (c.c_double * len(owners))(*owners), len(owners))
 
-    def compare_layer(self, transport, name, devices, sync_groups, timeout):
-        """'' where every worker's layer made in this one's place has the
-        same sync groups, else why not (fatal to the process)."""
+    def compare_layer(self, transport, name, matched, devices, sync_groups, timeout):
+        """'' where every worker's layer made in this one's place (``name``,
+        compared as ``matched``) has the same sync groups, else why not
+        (fatal to the process)."""
         return self._text(lambda buf: self._lib.gsbn_compare_layer(
-            transport, name.encode(), devices, sync_groups.encode(), float(timeout), buf,
-            len(buf)))
+            transport, name.encode(), matched.encode(), devices, sync_groups.encode(),
+            float(timeout), buf, len(buf)))
 
     def agree_on_batch(self, transport, batch, has, timeout, workers):
         """``(why not, the workers without update_bn_stats' batch ``batch``)``:

@@ -8,6 +8,7 @@
 #pragma once
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <condition_variable>
@@ -77,10 +78,15 @@ std::string describe_checks(const double* rows, int workers, size_t row, bool to
   return out;
 }
 
+// Whether this worker found another's END row: then, where it fails, it
+// sends END rows of its own, so that the worker that ended waits no longer.
+std::atomic<bool> g_saw_end{false};
+
 // Why worker `r`, which ended (`how`: kEndFinished or kEndFailed; `after`:
 // what it did last), cannot take part where worker `rank` is now (`where`).
 std::string end_message(int r, double how, const std::string& after, int rank,
                         const std::string& where) {
+  g_saw_end = true;
   return message(how == kEndFailed ? "worker_failed" : "worker_ended",
                  {{"worker", std::to_string(r)}, {"after", after},
                   {"rank", std::to_string(rank)}, {"where", where}});
@@ -264,6 +270,13 @@ std::string describe_layers(const std::vector<double>& rows, int workers) {
   return out;
 }
 
+// Whether CONTROL rows `a` and `b` say the same: their names, which are for
+// messages (a digest of a name to compare is a field), aside.
+bool same_control(const double* a, const double* b) {
+  return std::equal(a, a + 5, b) && a[6] == b[6] &&
+         std::equal(a + kControlHead + kNameBytes, a + kControlRow, b + kControlHead + kNameBytes);
+}
+
 // Every worker's next CONTROL row must be `row` (a layer's), through `t`
 // within `timeout` seconds; `place` and `name` name the layer in messages
 // (its place among the layers to synchronize across workers). "" or why
@@ -297,7 +310,7 @@ std::string agree_on_layer(const std::shared_ptr<Transport>& t, const std::vecto
       error = message("setup_out_of_step", {{"what", what},
                                             {"workers", describe_control(rows, t->workers)}});
   for (int r = 0; r < t->workers && error.empty(); ++r)
-    if (!std::equal(row.begin(), row.end(), rows.begin() + r * kControlRow))
+    if (!same_control(row.data(), &rows[r * kControlRow]))
       error = message("layers_differ", {{"layer", name}, {"number", std::to_string(place)},
                                         {"workers", describe_layers(rows, t->workers)}});
   if (!error.empty()) setup_failed(t, error);
@@ -307,15 +320,19 @@ std::string agree_on_layer(const std::shared_ptr<Transport>& t, const std::vecto
 // When a layer that synchronizes across workers is made: every worker's
 // layer made in its place must have the same sync groups (`groups`, as the
 // user gave them; `devices`: the devices they number, where they are
-// explicit, else 0), before they are worked out. "" or why not.
+// explicit, else 0) and the same name as the workers compare names
+// (`matched`: transport.py's matched_name), before they are worked out.
+// "" or why not.
 std::string compare_layer(const std::shared_ptr<Transport>& t, const std::string& name,
-                          int devices, const std::string& groups, double timeout) {
+                          const std::string& matched, int devices, const std::string& groups,
+                          double timeout) {
   // One layer at a time, in the order they are made, the same on every
   // worker, from whichever thread makes it.
   static std::mutex& one_at_a_time = *new std::mutex();
   std::lock_guard<std::mutex> lock(one_at_a_time);
   const std::vector<double> row = pack_control(
-      kLayerKind, {static_cast<double>(devices), digest24(groups)}, name, groups);
+      kLayerKind, {static_cast<double>(devices), digest24(groups), digest24(matched)}, name,
+      groups);
   const std::string error = agree_on_layer(t, row, t->num_layers() + 1, name, timeout);
   if (error.empty()) t->count_layer();
   return error;
@@ -426,9 +443,13 @@ std::string seen_at_end(const Transport::KeyState& k, const double* row, int r) 
 // Sends this worker's END rows through `t` (`how`: kEndFinished or
 // kEndFailed) and waits at most `timeout` seconds for their rounds. ""
 // where every other worker ended its script too; else what the others did
-// instead, or, with `late` set, that they did not end in time.
+// instead, or, with `late` set, that they did not end in time. A failing
+// worker sends none unless another worker ended first and waits for it:
+// elsewhere the launcher ends the job, naming the worker that failed first.
 std::string end_remote(const std::shared_ptr<Transport>& t, int how, double timeout,
                        bool* late) {
+  *late = false;
+  if (how == kEndFailed && !g_saw_end) return "";
   struct Rounds {
     std::mutex mutex;
     std::condition_variable cv;

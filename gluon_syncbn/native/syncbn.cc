@@ -360,14 +360,15 @@ void gsbn_store_lock(int transport, int acquire) {
 // When a layer that synchronizes across workers is made: every worker's
 // layer made in its place must have the same sync groups (`sync_groups` as
 // the user gave them; `devices`: the devices they number where they are
-// explicit, else 0), before they are worked out. Waits at most `timeout`
+// explicit, else 0) and name as compared (`matched`; `name` for
+// messages), before they are worked out. Waits at most `timeout`
 // seconds. 0, or the error's length with its text in `error` (the
 // process's end started).
-int gsbn_compare_layer(int transport, const char* name, int devices, const char* sync_groups,
-                       double timeout, char* error, int size) {
+int gsbn_compare_layer(int transport, const char* name, const char* matched, int devices,
+                       const char* sync_groups, double timeout, char* error, int size) {
   auto t = find_transport(transport);
   if (!t) return copy_out("unknown transport", error, size);
-  const std::string why = compare_layer(t, name, devices, sync_groups, timeout);
+  const std::string why = compare_layer(t, name, matched, devices, sync_groups, timeout);
   return why.empty() ? 0 : copy_out(why, error, size);
 }
 

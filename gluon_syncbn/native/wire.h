@@ -29,9 +29,11 @@
 // CONTROL  [one row per worker: kind, fields, name bytes, sync_groups bytes]
 //     what the workers must agree on outside a layer's calls, through one
 //     key in the order they ask: a layer's sync groups when it is made
-//     (kLayerKind: devices, their digest, name and text), its channels and
-//     dtype at its first call, before its keys are made (kKeysKind),
+//     (kLayerKind: devices, their digest, the digest of its name as the
+//     workers compare names, its name and its sync groups), its channels
+//     and dtype at its first call, before its keys are made (kKeysKind),
 //     update_bn_stats' batches (kBatchKind), and a worker's end (kEndKind).
+//     Name bytes are for messages, never compared.
 //
 // Every number an engine adds is a whole number below 2^24 (exact in
 // float32: the call number and token modulo 2^20) or a number whose other
