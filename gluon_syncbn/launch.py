@@ -14,11 +14,12 @@ Every line a process prints is forwarded with its role and index as prefix
 (``[worker 1] ...``). When all workers exit 0 the job succeeded. When a
 worker fails, a server or the scheduler exits early, or ``--deadline``
 passes, every process is ended (by process group: SIGTERM, then SIGKILL) and
-the launcher exits non-zero, naming the process that failed first and the
-last error its traceback showed. Nothing is left running, however the
-launcher itself ends: a guard process of its own session ends the job's
-process groups once the launcher is gone, also when it was killed with
-SIGKILL (``timeout -k``, the OOM killer, a CI runner).
+the launcher exits non-zero (with the code of the process that failed first,
+128 + N if signal N ended it, as a shell reports it; 124 at the deadline),
+naming that process and the last error its traceback showed. Nothing is left
+running, however the launcher itself ends: a guard process of its own session
+ends the job's process groups once the launcher is gone, also when it was
+killed with SIGKILL (``timeout -k``, the OOM killer, a CI runner).
 
 Example::
 
@@ -160,7 +161,7 @@ class Job(object):
                 label = min(failed, key=self.ended.get)
                 code = codes[label]
                 error = self.errors.get(label)
-                return (code if code > 0 else 1,
+                return (exit_code(code),
                         '%s (pid %d) failed with %s%s%s' % (
                             label, self.procs[label].pid, describe_exit(code),
                             ': ' + error if error else '', self._late(label, error)))
@@ -260,6 +261,13 @@ def _signal_group(group, sig):
     except (ProcessLookupError, PermissionError):
         return False
     return True
+
+
+def exit_code(returncode):
+    """The launcher's exit code for a process's ``returncode``: the same, or
+    128 + N for a process signal N ended (``returncode == -N``), as a shell
+    and coreutils' timeout report it."""
+    return returncode if returncode >= 0 else 128 - returncode
 
 
 def describe_exit(code):

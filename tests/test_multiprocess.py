@@ -242,30 +242,32 @@ def test_stalled_worker_gives_a_timeout_error_then_ends(backend, launcher):
     assert elapsed < 40, elapsed
 
 
-# How a worker fails before a step (dist_worker._fault), and the end of the
-# launcher's last line, which must name worker 1 and its error. The layers
-# wait 60 s for each other: a job that waits for that fails the bound.
+# How a worker fails before a step (dist_worker._fault), the end of the
+# launcher's last line, which must name worker 1 and its error, and the
+# launcher's exit code: worker 1's, 128 + N for signal N. The layers wait 60 s
+# for each other: a job that waits for that fails the bound.
 FAILURES = [
-    ('raise_first', 'exit code 1: RuntimeError: worker 1 fails between steps'),
-    ('raise', 'exit code 1: RuntimeError: worker 1 fails between steps'),
-    ('raise_in_record', r'exit code 1: RuntimeError: worker 1 fails inside record\(\)'),
-    ('exit', 'exit code 3'),
-    ('exit_builtin', 'exit code 3'),
-    ('system_exit', 'exit code 3'),
-    ('term', 'signal SIGTERM'),
-    ('interrupt', 'exit code 130: KeyboardInterrupt'),
+    ('raise_first', 'exit code 1: RuntimeError: worker 1 fails between steps', 1),
+    ('raise', 'exit code 1: RuntimeError: worker 1 fails between steps', 1),
+    ('raise_in_record', r'exit code 1: RuntimeError: worker 1 fails inside record\(\)', 1),
+    ('exit', 'exit code 3', 3),
+    ('exit_builtin', 'exit code 3', 3),
+    ('system_exit', 'exit code 3', 3),
+    ('term', 'signal SIGTERM', 143),
+    ('interrupt', 'exit code 130: KeyboardInterrupt', 130),
 ]
 
 
-@pytest.mark.parametrize('backend,launcher,fault,expected',
+@pytest.mark.parametrize('backend,launcher,fault,expected,exit_code',
                          [('dist_sync', 'kvstore') + f for f in FAILURES] +
                          [('horovod', 'horovod') + f for f in FAILURES if f[0] in ('raise', 'exit')])
-def test_a_failing_worker_ends_the_job_at_once_and_is_named(backend, launcher, fault, expected):
+def test_a_failing_worker_ends_the_job_at_once_and_is_named(backend, launcher, fault, expected,
+                                                            exit_code):
     if backend == 'horovod' and HOROVOD:
         pytest.skip(HOROVOD)
     kwargs = dict(backend=backend, devices=1, sizes=[3, 2], fault=fault, timeout=60)
     code, output, elapsed, _ = run_job(2, 'train', kwargs, backend=launcher, deadline=120)
-    assert code != 0
+    assert code == exit_code, (code, output[-3000:])
     last = output.strip().splitlines()[-1]
     assert re.match(r'\[launch\] job stopped: worker 1 \(pid \d+\) failed with %s$' % expected,
                     last), output[-3000:]
