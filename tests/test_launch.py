@@ -12,6 +12,9 @@ import pytest
 from gluon_syncbn.launch import (EXIT_DEADLINE, Job, horovod_commands, kvstore_commands,
                                  parse_args)
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXAMPLE = os.path.join(ROOT, 'examples', 'multiprocess', 'train.py')
+
 
 def python(code):
     return [sys.executable, '-c', code]
@@ -115,7 +118,7 @@ def test_the_launcher_leaves_nothing_running_however_it_ends(sig, tmp_path):
     launcher = subprocess.Popen(
         [sys.executable, '-m', 'gluon_syncbn.launch', '-n', '2', '-s', '1', '--deadline', '120',
          str(script)], stdout=subprocess.PIPE, text=True,
-        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        cwd=ROOT)
     try:
         ready = 0
         while ready < 2:
@@ -133,6 +136,32 @@ def test_the_launcher_leaves_nothing_running_however_it_ends(sig, tmp_path):
         launcher.wait()
 
 
+@pytest.mark.parametrize('argv', [
+    ['-m', 'gluon_syncbn.launch', '-n', '2', '--backend', 'horovod', EXAMPLE],
+    # the example's own flag, under the kvstore's launcher or none
+    [EXAMPLE, '--backend', 'horovod'],
+], ids=['launcher', 'example'])
+def test_without_horovod_backend_horovod_ends_in_one_line_naming_the_install_fix(argv,
+                                                                                tmp_path):
+    """As where Horovod is not installed, or was built without MXNet: a
+    ``horovod`` package whose import fails comes first on the path."""
+    (tmp_path / 'horovod').mkdir()
+    (tmp_path / 'horovod' / '__init__.py').write_text(
+        'raise ImportError("horovod is absent here (a stub)")\n')
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), ROOT]))
+    proc = subprocess.run([sys.executable] + argv, cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=120)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 1, output[-3000:]
+    assert 'Traceback' not in output, output[-3000:]
+    lines = [line for line in proc.stderr.splitlines() if 'horovod' in line]
+    assert len(lines) == 1, output[-3000:]
+    assert lines[0].startswith(('gluon_syncbn.launch: --backend horovod needs Horovod',
+                                'train.py: --backend horovod needs horovod.mxnet')), lines
+    assert '(horovod is absent here (a stub))' in lines[0], lines
+    assert "docs/install.md, section 'Horovod'" in lines[0], lines
+
+
 def test_without_horovod_the_launcher_names_where_the_install_command_is(monkeypatch):
     # As where Horovod is not installed: its import fails.
     monkeypatch.setitem(sys.modules, 'horovod', None)
@@ -142,7 +171,6 @@ def test_without_horovod_the_launcher_names_where_the_install_command_is(monkeyp
     assert message.startswith('gluon_syncbn.launch: --backend horovod needs Horovod'), message
     assert "docs/install.md, section 'Horovod'" in message, message
     # ... and that section has the command.
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    install = open(os.path.join(root, 'docs', 'install.md')).read()
+    install = open(os.path.join(ROOT, 'docs', 'install.md')).read()
     section = install.split('\n## Horovod\n', 1)[1].split('\n## ', 1)[0]
     assert 'pip install --no-build-isolation horovod==0.28.1' in section, section

@@ -101,7 +101,12 @@ class Job(object):
 
     def __init__(self, backend):
         if backend == 'horovod':
-            import horovod.mxnet as hvd  # pylint: disable=import-outside-toplevel
+            try:
+                import horovod.mxnet as hvd  # pylint: disable=import-outside-toplevel
+            except ImportError as exc:  # not installed, or built without MXNet
+                fail('--backend horovod needs horovod.mxnet, which does not import here (%s): '
+                     "install Horovod with MXNet support, the command in docs/install.md, "
+                     "section 'Horovod'" % exc)
             hvd.init()
             self.hvd, self.kvstore = hvd, 'horovod'
             self.rank, self.num_workers = hvd.rank(), hvd.size()
