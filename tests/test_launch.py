@@ -174,3 +174,19 @@ def test_without_horovod_the_launcher_names_where_the_install_command_is(monkeyp
     install = open(os.path.join(ROOT, 'docs', 'install.md')).read()
     section = install.split('\n## Horovod\n', 1)[1].split('\n## ', 1)[0]
     assert 'pip install --no-build-isolation horovod==0.28.1' in section, section
+
+
+def test_the_docs_give_every_default_wait_as_the_code_has_it():
+    """README's API line: the layers' timeout in a process and across
+    workers; install.md's 'Across processes': those and the launcher's
+    --deadline."""
+    from gluon_syncbn.block import DEFAULT_REMOTE_TIMEOUT, DEFAULT_TIMEOUT
+    local, remote = '{:,g}'.format(DEFAULT_TIMEOUT), '{:,g}'.format(DEFAULT_REMOTE_TIMEOUT)
+    deadline = '{:,g}'.format(parse_args(['-n', '1', 'train.py']).deadline)
+    readme = ' '.join(open(os.path.join(ROOT, 'README.md')).read().split())
+    assert 'else %s in a process, %s across workers' % (local, remote) in readme
+    install = open(os.path.join(ROOT, 'docs', 'install.md')).read()
+    section = ' '.join(install.split('\n## Across processes\n', 1)[1].split('\n## ', 1)[0].split())
+    for text in ('%s s for the other devices of a process, %s s' % (local, remote),
+                 '--deadline` (default %s s)' % deadline):
+        assert text in section, (text, section)
