@@ -79,7 +79,8 @@ class SyncBatchNorm(nn.BatchNorm):
         Number of channels; 0 defers initialization to the first call.
     num_devices : int or None, default None
         Devices taking part. None: the number of contexts the parameters were
-        initialized on. Any other value must equal that number.
+        initialized on. Any other value must equal that number: across
+        processes, this worker's devices only (not the job's).
     timeout : float or None, default None
         Seconds a device waits for the others before raising
         :class:`SyncBatchNormTimeout`; None reads ``GLUON_SYNCBN_TIMEOUT``,
@@ -217,15 +218,23 @@ class SyncBatchNorm(nn.BatchNorm):
         ``nn.BatchNorm``."""
         devices = [str(c) for c in contexts]
         if self._num_devices is not None and self._num_devices != len(devices):
+            if self._transport.cross_process:
+                # The job's count is no fix here: this worker cannot hold the
+                # other workers' devices.
+                fix = ("Across processes num_devices counts this worker's devices only, the "
+                       "contexts its parameters live on here (the other workers' devices "
+                       "take part through the layer's kvstore): omit num_devices (None "
+                       "counts them) or pass num_devices=%d." % len(devices))
+            else:
+                fix = ("Pass num_devices=%d (or None, which counts them), or initialize on %d "
+                       "context(s)." % (len(devices), self._num_devices))
             raise SyncBatchNormError(
                 "SyncBatchNorm '%s': num_devices=%d but its parameters are initialized on %d "
-                "context(s) (%s); %s. Pass num_devices=%d (or None, which counts them), or "
-                "initialize on %d context(s)." % (
+                "context(s) (%s); %s. %s" % (
                     self.name, self._num_devices, len(devices), ', '.join(devices),
                     'it would wait for devices that never call'
                     if self._num_devices > len(devices) else
-                    'every context its parameters live on takes part in each call',
-                    len(devices), self._num_devices))
+                    'every context its parameters live on takes part in each call', fix))
         check_gpus(self.name, devices)
         if len(devices) > 1 and is_naive_engine():
             raise SyncBatchNormError(

@@ -117,7 +117,8 @@ def convert_model(net, num_devices=None, timeout=None, kvstore=None, sync_groups
     net : Block
         The model; modified in place and returned.
     num_devices : int or None
-        Passed to every :class:`SyncBatchNorm` (None: the number of contexts).
+        Passed to every :class:`SyncBatchNorm` (None: the number of contexts,
+        across processes this worker's).
     timeout : float or None
         Passed to every :class:`SyncBatchNorm`.
     kvstore : KVStore, 'horovod' or None

@@ -432,10 +432,13 @@ def out_of_step(backend, what, timeout=60.0, steps=3):
     synchronize is worker 0's third, of the same width), ``'calls'`` (it
     calls the network twice per step), ``'groups'`` (its layers have
     sync_groups=1, worker 0's none) or ``'devices'`` (it has 2 devices,
-    worker 0 one, with sync_groups=2 on both). Nothing is read before the
-    last step is issued. Reports the error each worker raised."""
-    worker = Worker(backend, [1, 2] if what == 'devices' else 1,
-                    [3, 2, 2] if what == 'devices' else [3, 2])
+    worker 0 one, with sync_groups=2 on both); or ``'num_devices'``: every
+    worker has 2 devices and layers with num_devices=4, the job's count
+    (contrib's habit), where this worker's is meant. Nothing is read before
+    the last step is issued. Reports the error each worker raised."""
+    devices, sizes = {'devices': ([1, 2], [3, 2, 2]),
+                      'num_devices': (2, [3, 2, 2, 1])}.get(what, (1, [3, 2]))
+    worker = Worker(backend, devices, sizes)
     rng = np.random.RandomState(0)
     odd = worker.rank == 1
     widths = [4, 6 if odd and what == 'channels' else 4, 4]
@@ -446,7 +449,8 @@ def out_of_step(backend, what, timeout=60.0, steps=3):
         for i in kept:
             net.add(gluon.nn.Dense(widths[i], prefix='dense%d_' % i),
                     SyncBatchNorm(kvstore=worker.kvstore, timeout=timeout, prefix='bn%d_' % i,
-                                  sync_groups=groups))
+                                  sync_groups=groups,
+                                  num_devices=4 if what == 'num_devices' else None))
     net.initialize(ctx=worker.ctxs)
     if odd and what == 'dtype':
         net.cast('float64')

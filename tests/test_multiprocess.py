@@ -374,6 +374,29 @@ def test_workers_out_of_step_get_the_same_error_at_once(backend, launcher, what,
     assert elapsed < 20, elapsed
 
 
+@pytest.mark.parametrize('backend,launcher', BACKENDS)
+def test_num_devices_counts_this_workers_devices_and_the_error_says_so(backend, launcher):
+    """2 workers x 2 contexts with num_devices=4, the job's count: every
+    worker refuses it at its first call, before any reduction, with the fix
+    that applies across processes (not 'initialize on 4 contexts')."""
+    if backend == 'horovod' and HOROVOD:
+        pytest.skip(HOROVOD)
+    code, output, elapsed, _ = run_job(2, 'out_of_step', dict(backend=backend, what='num_devices'),
+                                       backend=launcher, servers=1 if launcher == 'kvstore'
+                                       else None, deadline=120)
+    assert code == 1, (code, output[-3000:])
+    expected = ("SyncBatchNorm 'net_bn0': num_devices=4 but its parameters are initialized on "
+                "2 context(s) (cpu(0), cpu(1)); it would wait for devices that never call. "
+                "Across processes num_devices counts this worker's devices only, the contexts "
+                "its parameters live on here (the other workers' devices take part through the "
+                "layer's kvstore): omit num_devices (None counts them) or pass num_devices=2.")
+    for rank in (0, 1):
+        assert '[worker %d] RAISED SyncBatchNormError: %s' % (rank, expected) in output, \
+            output[-3000:]
+    assert 'initialize on 4 context(s)' not in output, output[-3000:]
+    assert elapsed < 20, elapsed
+
+
 def test_a_worker_calling_more_often_per_step_ends_the_job_within_its_timeout():
     """Worker 1 calls the network twice per step: the layers' calls wait for
     each other across the workers until the timeout names the layer."""
