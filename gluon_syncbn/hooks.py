@@ -297,7 +297,7 @@ def install_read_hooks(ndarray_class, namespaces, session):
         def read(*args, **kwargs):
             if not session.active():
                 return function(*args, **kwargs)
-            session.native.reading(describe(*args))
+            session.native.reading(describe(*args), session.sole_thread())
             try:
                 return function(*args, **kwargs)
             except Exception as exc:  # pylint: disable=broad-except

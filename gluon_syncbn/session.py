@@ -190,6 +190,12 @@ class Session(object):
                 self.restart()
             self._inside.add(me)
 
+    def sole_thread(self):
+        """Whether at most the calling thread is in a step now: a loop over
+        the devices in one thread, which issues every device's calls."""
+        with self._threads_lock:
+            return self._inside <= {threading.get_ident()}
+
     def active(self):
         """True while any SyncBatchNorm layer that has synchronized lives."""
         return len(self._backends) > 0

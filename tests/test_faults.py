@@ -53,12 +53,15 @@ def test_bad_input_on_one_device_fails_fast_and_recovers(problem, expected, func
     assert r['recovered'] < RECOVERED
 
 
-@pytest.mark.parametrize('hybridize', [False, True, 'static'])
-def test_an_early_read_is_named_by_the_timeout(hybridize):
+@pytest.mark.parametrize('hybridize,first', [(False, True), (True, True), (True, False),
+                                             ('static', False)])
+def test_an_early_read_is_named_by_the_timeout(hybridize, first):
     """A read of device 0's output inside the per-device loop, before device
     1's call is issued, cannot return: the timeout says that, not the last
-    batch; the next step is exact."""
-    r = run_scenario('early_read', timeout=120, hybridize=hybridize, timeout_seconds=3.0)
+    batch, also in the process's first step (before device 1 ever called);
+    the next step is exact."""
+    r = run_scenario('early_read', timeout=120, hybridize=hybridize, timeout_seconds=3.0,
+                     first=first)
     assert r['type'] == 'SyncBatchNormTimeout', r
     assert re.search(r"missing: cpu\(1\)\. The thread that issues cpu\(1\)'s calls waits in "
                      r"NDArray\.asnumpy\(\) of an array on cpu\(0\), since before cpu\(1\)'s "

@@ -52,7 +52,7 @@ class Library(object):
                                      c.POINTER(c.c_double), c.POINTER(c.c_double), c.c_int],
                  c.c_int),
                 ('gsbn_step', [c.c_int], c.c_uint64),
-                ('gsbn_reading', [c.c_char_p], None),
+                ('gsbn_reading', [c.c_char_p, c.c_int], None),
                 ('gsbn_abort', [c.c_char_p, c.c_int], None),
                 ('gsbn_broken', [c.c_char_p, c.c_int], c.c_int),
                 ('gsbn_step_failure', [c.c_char_p, c.c_int], c.c_int),
@@ -194,9 +194,10 @@ class Library(object):
             raise ValueError('the tally has %d channels, not %d' % (size, channels))
         return counts[0], counts[1], list(mean_sum), list(var_sum)
 
-    def reading(self, read):
-        """This thread now waits in ``read`` (a description), or no longer (None)."""
-        self._lib.gsbn_reading(read.encode() if read else None)
+    def reading(self, read, sole=False):
+        """This thread now waits in ``read`` (a description), or no longer
+        (None); ``sole``: it is the only thread in the step."""
+        self._lib.gsbn_reading(read.encode() if read else None, int(sole))
 
     def token(self, begin=False):
         """The current step's token; ``begin``: a step begins first."""

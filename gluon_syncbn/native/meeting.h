@@ -118,11 +118,13 @@ std::string timeout_message(const Layer& layer, const Key& key, const Meeting& m
   std::vector<int> arrived, missing;
   for (int i = 0; i < n; ++i) (meeting.values[i].empty() ? missing : arrived).push_back(i);
   std::string hint = layer.hint;
-  for (int i : missing) {  // a read that waits for this very call
-    auto read = g_reads.find(layer.issuer[i]);
-    if (read != g_reads.end() && layer.issuer[i] != std::thread::id())
-      hint = message("early_read", {{"device", layer.devices[i]}, {"read", read->second}});
-  }
+  // A read that waits for this very call: by the thread that issues the
+  // missing device's calls, or, before its first, by the step's only thread.
+  for (int i : missing)
+    for (const auto& read : g_reads)
+      if (layer.issuer[i] != std::thread::id() ? read.first == layer.issuer[i]
+                                               : read.second.sole)
+        hint = message("early_read", {{"device", layer.devices[i]}, {"read", read.second.what}});
   return message("call_timeout",
                  {{"layer", layer.name}, {"arrived", std::to_string(meeting.arrived)},
                   {"devices", std::to_string(n)}, {"present", join(layer.devices, arrived)},

@@ -63,8 +63,14 @@ std::string& g_broken = *new std::string();
 int g_remote_rank = -1;
 double g_exit_grace = 30.0;
 bool g_remote_in_step = false;
-// What each thread waits in now, where it waits for an output (gsbn_reading).
-std::map<std::thread::id, std::string>& g_reads = *new std::map<std::thread::id, std::string>();
+// What each thread waits in now, where it waits for an output, and whether
+// it is the only thread in the step, which then issues every device's calls
+// (gsbn_reading).
+struct Read {
+  std::string what;
+  bool sole;
+};
+std::map<std::thread::id, Read>& g_reads = *new std::map<std::thread::id, Read>();
 
 // The watchdog (see watchdog()). When it wakes next (at the latest a second
 // from its last look): only a meeting with an earlier deadline needs to

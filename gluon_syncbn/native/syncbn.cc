@@ -288,10 +288,11 @@ int gsbn_tally_read(int64_t handle, int device, double* counts, double* mean_sum
 }
 
 // This thread now waits in `read` (an output's asnumpy(), waitall(), ...),
-// or no longer (null), for the timeouts' messages (timeout_message).
-void gsbn_reading(const char* read) {
+// or no longer (null), for the timeouts' messages (timeout_message); `sole`:
+// it is the only thread in the step.
+void gsbn_reading(const char* read, int sole) {
   std::lock_guard<std::mutex> lock(g_mutex);
-  if (read) g_reads[std::this_thread::get_id()] = read;
+  if (read) g_reads[std::this_thread::get_id()] = Read{read, sole != 0};
   else g_reads.erase(std::this_thread::get_id());
 }
 
