@@ -474,16 +474,40 @@ def out_of_step(backend, what, timeout=60.0, steps=3):
     return dict(rank=worker.rank, operator=net[1]._sync_backend.name)
 
 
-def healthy_end(backend, steps=6, lag=0.0):
+class OwnInit(mx.init.Xavier):
+    """A script's own initializer (registered by ``healthy_end(own_init=True)``)."""
+
+    def _init_weight(self, name, arr):
+        super(OwnInit, self)._init_weight(name, arr)
+
+
+def _own_function():
+    """A script's own function, set on an MXNet class by ``healthy_end(own_init=True)``."""
+    return KEPT
+
+
+KEPT = []  # what a script training at module level keeps in its globals
+
+
+def healthy_end(backend, steps=6, lag=0.0, own_init=False):
     """``steps`` training steps of a small network, the last one issued and
     not waited for: the script ends with it in flight. Worker 1 starts its
-    last step ``lag`` seconds after the others."""
+    last step ``lag`` seconds after the others. ``own_init``: the script
+    registers an initializer of its own (:class:`OwnInit`, which initializes
+    the network), sets a function of its own on an MXNet class, and keeps
+    its store and network in its globals: MXNet's modules then reach the
+    script's globals, and through them the store."""
     worker = Worker(backend, 2, [2, 1, 3, 2])
     net = gluon.nn.HybridSequential()
     for _ in range(3):
         net.add(gluon.nn.Conv2D(8, 3, padding=1),
                 SyncBatchNorm(in_channels=8, kvstore=worker.kvstore, timeout=60))
-    net.initialize(ctx=worker.ctxs)
+    if own_init:
+        mx.init.register(OwnInit)
+        gluon.Block.own_function = _own_function
+        KEPT.extend([worker, net])
+    net.initialize(mx.init.create('owninit') if own_init else mx.init.Uniform(),
+                   ctx=worker.ctxs)
     for step in range(steps):
         if step == steps - 1 and worker.rank == 1:
             time.sleep(lag)

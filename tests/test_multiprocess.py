@@ -6,9 +6,12 @@ fails the test, never the suite. The workers run ``tests/dist_worker.py``,
 which compares against float64 maths / float64 full-batch training on the
 global batch.
 """
+import importlib.util
 import json
 import os
 import re
+import shlex
+import signal
 import subprocess
 import sys
 import threading
@@ -310,14 +313,19 @@ def test_workers_that_run_different_steps_end_the_job_at_once_named(backend, lau
     assert elapsed < 30, elapsed
 
 
-def test_a_healthy_job_exits_0_with_its_last_step_in_flight_beside_a_cpu_hog():
+# own_init: the script registers its own initializer and sets a function of
+# its own on an MXNet class (dist_worker.healthy_end), which keeps its globals,
+# the store among them, alive as long as MXNet's modules.
+@pytest.mark.parametrize('own_init', [False, True])
+def test_a_healthy_job_exits_0_with_its_last_step_in_flight_beside_a_cpu_hog(own_init):
     """The script ends right after issuing its last step. The last job's
     worker 1 starts that step 12 s late: worker 0's exit waits for it."""
     hog = subprocess.Popen([sys.executable, '-c', 'while True: pass'])
     try:
         for lag in (0, 0, 0, 0, 0, 12):
             code, output, elapsed, results = run_job(
-                2, 'healthy_end', dict(backend='dist_sync', lag=lag), servers=1, deadline=120)
+                2, 'healthy_end', dict(backend='dist_sync', lag=lag, own_init=own_init),
+                servers=1, deadline=120)
             assert code == 0, (lag, output[-5000:])
             assert sorted(results) == [0, 1], output[-3000:]
             assert elapsed < 60, (lag, elapsed)
@@ -326,13 +334,54 @@ def test_a_healthy_job_exits_0_with_its_last_step_in_flight_beside_a_cpu_hog():
         hog.wait()
 
 
-def test_a_healthy_horovod_job_exits_0_with_its_last_step_in_flight():
+@pytest.mark.parametrize('own_init', [False, True])
+def test_a_healthy_horovod_job_exits_0_with_its_last_step_in_flight(own_init):
     if HOROVOD:
         pytest.skip(HOROVOD)
-    code, output, _, results = run_job(2, 'healthy_end', dict(backend='horovod'),
+    code, output, _, results = run_job(2, 'healthy_end',
+                                       dict(backend='horovod', own_init=own_init),
                                        backend='horovod')
     assert code == 0, output[-5000:]
     assert sorted(results) == [0, 1], output[-3000:]
+
+
+# MXNet's own launcher for a job on this machine, tools/launch.py. The
+# dmlc_tracker it runs calls Thread.isAlive, gone since Python 3.9, and would
+# then never start the workers while its scheduler waits for them.
+MXNET_LAUNCH = os.path.join(os.path.dirname(importlib.util.find_spec('mxnet').origin), 'tools',
+                            'launch.py')
+TRACKER_SHIM = ('import runpy, sys, threading; threading.Thread.isAlive = '
+                'threading.Thread.is_alive; sys.argv = sys.argv[1:]; '
+                'runpy.run_path(sys.argv[0], run_name="__main__")')
+
+
+def test_a_healthy_job_with_its_own_initializer_exits_0_under_mxnets_launcher():
+    """``--launcher local`` watches nothing: a worker that aborts at its exit
+    leaves the scheduler waiting for it for ever."""
+    kwargs = dict(backend='dist_sync', own_init=True)
+    # The launcher runs the command through bash, its words joined by spaces.
+    argv = [sys.executable, '-c', TRACKER_SHIM, MXNET_LAUNCH, '-n', '2', '-s', '1',
+            '--launcher', 'local', sys.executable, WORKER, 'healthy_end',
+            shlex.quote(json.dumps(kwargs))]
+    proc = subprocess.Popen(argv, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    output = None
+    try:
+        output, _ = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        pass
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # whatever of the job still runs
+        except ProcessLookupError:
+            pass
+    if output is None:
+        pytest.fail('the job did not end within 120 s:\n' + proc.communicate()[0][-5000:])
+    # The workers share one output, unprefixed: their lines may interleave.
+    ranks = sorted(json.loads(r)['rank'] for r in re.findall(r'RESULT (\{[^}]*\})', output))
+    assert proc.returncode == 0, output[-5000:]
+    assert ranks == [0, 1], output[-3000:]
 
 
 # What worker 1's network does differently (dist_worker.out_of_step), and what
