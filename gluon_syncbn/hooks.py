@@ -356,21 +356,44 @@ def install_exit_guard(note_failure, at_exit):
     :class:`_ScriptExit`: ``sys.exit`` raises it, and it is the builtin
     ``SystemExit`` from now on, which ``raise SystemExit(n)`` and the
     builtin ``exit(n)`` raise (a subclass: ``except SystemExit`` catches it).
+
+    Once ``at_exit()`` has returned, the three are Python's again. Python
+    empties ``sys`` last: our functions left there would keep our modules,
+    and through them MXNet's, alive through the collection that frees the
+    modules' objects at exit, and with MXNet's whatever the script hung on
+    them (a registered initializer's method, a function set on a class)
+    with its globals, the user's kvstore among them. The store would then
+    be deleted only once MXNet's module globals are None, where
+    ``KVStore.__del__`` fails unheard: ps-lite is never finalized, and the
+    C++ exit destroys its threads still running, which aborts the process
+    ("terminate called without an active exception").
     """
     if sys.exit is _script_exit:
         return
-    previous_hook = sys.excepthook
+    previous = sys.excepthook, sys.exit, builtins.SystemExit
+    previous_hook = previous[0]
 
     def excepthook(kind, value, trace):
         if not _in_python_code():  # the uncaught exception that ends the script
             note_failure(130 if issubclass(kind, KeyboardInterrupt) else 1,
                          ('%s: %s' % (kind.__name__, value)) if str(value) else kind.__name__)
         previous_hook(kind, value, trace)
+
+    def at_exit_then_remove():
+        try:
+            at_exit()
+        finally:
+            # Each only where it is still ours: a hook set later may call ours.
+            for namespace, name, ours, original in zip(
+                    (sys, sys, builtins), ('excepthook', 'exit', 'SystemExit'),
+                    (excepthook, _script_exit, _ScriptExit), previous):
+                if getattr(namespace, name) is ours:
+                    setattr(namespace, name, original)
     sys.excepthook = excepthook
     _ScriptExit.note_failure = staticmethod(note_failure)
     sys.exit = _script_exit
     builtins.SystemExit = _ScriptExit
-    atexit.register(at_exit)
+    atexit.register(at_exit_then_remove)
 
 
 def _in_python_code():

@@ -155,7 +155,7 @@ Python (``hooks.install_exit_guard``, at the first cross-process layer's constru
     ``sys.excepthook``, ``sys.exit`` and the builtin ``SystemExit`` are
     replaced (the last by a subclass), and an ``atexit`` handler added, so a
     worker learns how its script ended and ends at once when it failed
-    (``transport._at_exit``).
+    (``transport._at_exit``); that handler puts the three back.
 
 Block trees (``graphs.blocks_of``, ``convert.py``)
     ``Block._children``, the ordered children of a block, walked to find and
