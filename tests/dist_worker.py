@@ -332,7 +332,8 @@ def train(backend, devices, sizes, steps=3, hybridize=False, image=8, seed=0, fa
 
 def _fault(fault, x):
     """What a failing worker does before a step's forward pass: ``'kill'``
-    (SIGKILL), ``'stall'`` (stops calling), ``'bad_input'`` (returns ``x``
+    (SIGKILL), ``'stall'`` (stops calling), ``'freeze'`` (SIGSTOP: the whole
+    process, its engines' threads too), ``'bad_input'`` (returns ``x``
     with the wrong channel count), ``'raise'`` and ``'raise_first'`` (an
     exception between steps: before the second step, before the first),
     ``'exit'`` (``sys.exit(3)``), ``'exit_builtin'`` (the builtin
@@ -346,6 +347,8 @@ def _fault(fault, x):
         os.kill(os.getpid(), signal.SIGKILL)
     if fault == 'stall':
         time.sleep(600)
+    if fault == 'freeze':
+        os.kill(os.getpid(), signal.SIGSTOP)
     if fault in ('raise', 'raise_first'):
         raise RuntimeError('worker 1 fails between steps')
     if fault == 'exit':
