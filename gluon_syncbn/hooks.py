@@ -61,7 +61,8 @@ def install_record_abort_hook(scope_class, session):
             session.fail_step(value if isinstance(value, SyncBatchNormError) else
                               SyncBatchNormError('the training step was abandoned (in thread '
                                                  '%r): %s: %s' % (threading.current_thread().name,
-                                                                  ptype.__name__, value)))
+                                                                  ptype.__name__, value)),
+                              raised=value)
         return original_exit(self, ptype, value, trace)
 
     scope_class.__exit__ = __exit__
@@ -301,6 +302,12 @@ def install_read_hooks(ndarray_class, namespaces, session):
             try:
                 return function(*args, **kwargs)
             except Exception as exc:  # pylint: disable=broad-except
+                # A call that failed with its step: in a thread of the step
+                # that did not fail it, the exception that did (GluonCV's
+                # parallel_apply raises the first device's thread's).
+                raised = session.raised_elsewhere(exc)
+                if raised is not None:
+                    raise raised from None
                 if not whole_engine:
                     raise  # the array's own error
                 raise session.failure_behind(exc)

@@ -63,6 +63,9 @@ class Session(object):
         self.cpu_temp_space = None
         self._thread = threading.local()
         self._temp_space_token = None  # the step the CPU contexts' temp space is for
+        # The last abort's (cause, the user's exception behind it, its thread)
+        # where a user's exception abandoned a step (fail_step).
+        self._raised = None
 
     def load_native(self):
         """The native library, built and loaded at the first layer's first
@@ -258,14 +261,27 @@ class Session(object):
         ours.__cause__ = exc
         return ours
 
-    def fail_step(self, cause=None, exiting=False):
+    def fail_step(self, cause=None, exiting=False, raised=None):
         """The current step failed with ``cause`` (default: ``gluon_syncbn.reset()``
         was called): abort it, so that every call of it fails at once.
-        ``exiting``: at interpreter exit, which is never fatal to a job."""
+        ``exiting``: at interpreter exit, which is never fatal to a job.
+        ``raised``: the user's exception that abandoned the step in this
+        thread (:meth:`raised_elsewhere`)."""
         if cause is None:
             cause = SyncBatchNormError('gluon_syncbn.reset() was called while this call waited.')
         if self.native is not None:
+            self._raised = (str(cause), raised, threading.get_ident()) if raised is not None \
+                else None
             self.native.abort(cause, exiting)
+
+    def raised_elsewhere(self, exc):
+        """The user's exception that abandoned the step in another thread,
+        where ``exc`` is a call of that step refused for it; else None."""
+        raised = self._raised
+        if raised is None or raised[2] == threading.get_ident() or \
+                not messages.is_stale_call(exc) or raised[0] not in str(exc):
+            return None
+        return raised[1]
 
 
 def _live_threads():

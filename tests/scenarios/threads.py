@@ -32,10 +32,14 @@ def gluoncv_threads(num_devices=2, batch=7, hybridize=False, steps=3, seed=0, fa
     on the whole batch: the input gradient of every step, and the running
     statistics of both layers after the last. Also counts the warnings.
 
-    ``fail``: in the second step the first device's thread raises in user
-    code at once and the others start after it failed (each 0.3 s after the
-    one before); the step's error (``failed``, its seconds) and, skipping that
-    batch, the steps after it.
+    ``fail``: how many steps after the first fail (True: one): in each a
+    device's thread raises in user code at once (device 0's in the first,
+    then each device's in turn), the others started after it failed (each
+    0.3 s after the one before) in the first, then at once or a random 0-20
+    ms apart, so that their calls race with the failure; the first step's
+    error (``failed``), the slowest step's seconds (``failed_seconds``), each
+    step whose error was not its failing thread's own (``wrong``) and,
+    skipping those batches, the steps after them.
     """
     from gluoncv.utils.parallel import DataParallelCriterion, parallel_apply
     rng = np.random.RandomState(seed)
@@ -62,31 +66,36 @@ def gluoncv_threads(num_devices=2, batch=7, hybridize=False, steps=3, seed=0, fa
         net.hybridize()
         net(mx.nd.zeros((2, channels, 4, 4), ctx=ctxs[0], dtype='float64'))  # the trace
 
-    def failing(block):
+    def failing(block, device):
         def call(x):
-            if x.context == ctxs[0]:
+            if x.context == ctxs[device]:
                 raise ValueError('user code failed on %s' % x.context)
             return block(x)
         return call
 
-    steps_done, failed = [], {}
+    steps_done, failed = [], {'wrong': [], 'failed_seconds': 0.0}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter('always', RuntimeWarning)
-        for step in range(steps + fail):
+        for step in range(steps + int(fail)):
             x = rng.randn(batch, channels, 4, 4) * 2 + 1
             dy = rng.randn(batch, channels, 4, 4)
             xs = gluon.utils.split_and_load(mx.nd.array(x, dtype='float64'), ctxs,
                                             even_split=False)
             for a in xs:
                 a.attach_grad()
-            if fail and step == 1:
-                start = time.time()
+            if 1 <= step <= int(fail):
+                device = (step - 1) % num_devices
+                delay = 0.3 if step == 1 else rng.choice([0.0, 0.0, 0.002, 0.01, 0.02])
+                start, error = time.time(), 'no error'
                 try:
-                    with _threads_started_late(), autograd.record():
-                        parallel_apply(failing(net), [(a,) for a in xs], sync=True)
+                    with _threads_started_late(delay), autograd.record():
+                        parallel_apply(failing(net, device), [(a,) for a in xs], sync=True)
                 except Exception as exc:  # pylint: disable=broad-except
-                    failed = {'failed': '%s: %s' % (type(exc).__name__, exc),
-                              'failed_seconds': time.time() - start}
+                    error = '%s: %s' % (type(exc).__name__, exc)
+                failed['failed_seconds'] = max(failed['failed_seconds'], time.time() - start)
+                failed.setdefault('failed', error)
+                if error != 'ValueError: user code failed on %s' % ctxs[device]:
+                    failed['wrong'].append((step, error))
                 continue
             with autograd.record():
                 outputs = parallel_apply(net, [(a,) for a in xs], sync=True)
