@@ -270,8 +270,9 @@ std::string describe_layers(const std::vector<double>& rows, int workers) {
   return out;
 }
 
-// Whether CONTROL rows `a` and `b` say the same: their names, which are for
-// messages (a digest of a name to compare is a field), aside.
+// Whether CONTROL rows `a` and `b` (wire.h) say the same: their kind, four
+// fields, sync_groups' length and bytes; the names, which are for messages,
+// aside (a digest of a name to compare is a field).
 bool same_control(const double* a, const double* b) {
   return std::equal(a, a + 5, b) && a[6] == b[6] &&
          std::equal(a + kControlHead + kNameBytes, a + kControlRow, b + kControlHead + kNameBytes);

@@ -242,8 +242,7 @@ class Transport {
   // direction `dir`: the layer's calls in that direction so far.
   int64_t rounds(int slot, int dir) const {
     std::lock_guard<std::mutex> lock(slots_mutex_);
-    auto it = rounds_.find({slot, dir});
-    return it == rounds_.end() ? 0 : it->second;
+    return rounds_locked(slot, dir);
   }
 
   // How many slots there are: the layers whose keys were made.
@@ -300,10 +299,13 @@ class Transport {
   std::map<std::pair<int, int>, int64_t> rounds_;
   std::set<std::pair<int, int>> busy_;
 
-  KeyState key_locked(int slot, int dir, const Buffer& b) {
+  int64_t rounds_locked(int slot, int dir) const {
     auto it = rounds_.find({slot, dir});
-    return KeyState{slot, dir, b.row, b.size, it == rounds_.end() ? 0 : it->second,
-               busy_.count({slot, dir}) > 0};
+    return it == rounds_.end() ? 0 : it->second;
+  }
+  KeyState key_locked(int slot, int dir, const Buffer& b) const {
+    return KeyState{slot, dir, b.row, b.size, rounds_locked(slot, dir),
+                    busy_.count({slot, dir}) > 0};
   }
 
   bool make_buffer(size_t row, size_t extra, Buffer* b, std::string* error) {
