@@ -23,7 +23,7 @@ from .session import SESSION, SETUP_LOCK
 from .traced import MARK, token_of
 from .transport import make_transport
 
-__all__ = ['SyncBatchNorm', 'is_sync_batchnorm']
+__all__ = ['SyncBatchNorm', 'adopt_parameters', 'is_sync_batchnorm']
 
 # Seconds a device waits for the other devices of its process, and a worker
 # for the other workers: those may pause far longer in a healthy job (an
@@ -385,12 +385,7 @@ class SyncBatchNorm(nn.BatchNorm):
             layer._remote_timeout = template._remote_timeout
             layer._input_dtype = template._input_dtype
         layer._kwargs = dict(node_kwargs)
-        for attribute, param in zip(('gamma', 'beta', 'running_mean', 'running_var'), params):
-            layer._reg_params[attribute] = param
-            object.__setattr__(layer, attribute, param)
-        layer._params._params.clear()
-        layer._params._params.update((p.name, p) for p in params)
-        return layer
+        return adopt_parameters(layer, params)
 
     def __repr__(self):
         s = '{name}({content}'
@@ -400,6 +395,21 @@ class SyncBatchNorm(nn.BatchNorm):
         return s.format(name=self.__class__.__name__,
                         content=', '.join('='.join([k, v.__repr__()])
                                           for k, v in self._kwargs.items()))
+
+
+def adopt_parameters(layer, params):
+    """``layer`` (a batch-norm layer) with ``params``, the Parameter objects
+    gamma, beta, running mean and variance of another, in place of its own:
+    values, contexts, gradients and every attribute (``grad_req``,
+    ``lr_mult``, ``init``, ...) as they are. (Gluon's ``params=`` sharing
+    would compare the attributes with the layer's defaults, and refuse a
+    frozen gamma.) Returns ``layer``."""
+    for attribute, param in zip(('gamma', 'beta', 'running_mean', 'running_var'), params):
+        layer._reg_params[attribute] = param
+        object.__setattr__(layer, attribute, param)
+    layer._params._params.clear()
+    layer._params._params.update((p.name, p) for p in params)
+    return layer
 
 
 def is_sync_batchnorm(block):

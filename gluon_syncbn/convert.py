@@ -1,7 +1,8 @@
 """Swap BatchNorm layers for SyncBatchNorm in a model, and back for deployment.
 
 Both directions hand the *same* Parameter objects to the new layer, so values,
-contexts, gradients and checkpoints are untouched (bit-exact by construction).
+contexts, gradients, attributes (a frozen ``grad_req``, ``lr_mult``, ...) and
+checkpoints are untouched (bit-exact by construction).
 In a SymbolBlock's graph (``SymbolBlock.imports`` of an export, GluonCV's
 feature extractors) the BatchNorm nodes fed by the block's Parameters are
 marked with a layer each, as a SyncBatchNorm's trace marks its node
@@ -18,7 +19,7 @@ from mxnet.gluon.nn.basic_layers import _BatchNorm
 from mxnet.util import is_np_array
 
 from . import traced
-from .block import SyncBatchNorm, is_sync_batchnorm
+from .block import SyncBatchNorm, adopt_parameters, is_sync_batchnorm
 from .errors import warn_user
 from .graphs import add_shadow, drop_shadows
 
@@ -52,13 +53,16 @@ _SYNCHRONIZED = {nn.BatchNorm: SyncBatchNorm, contrib_nn.SyncBatchNorm: SyncBatc
 _REVERTED = {SyncBatchNorm: nn.BatchNorm, _SyncBatchNormReLU: nn.BatchNormReLU}
 
 
-def _settings(bn):
+def _replacement(cls, bn, **settings):
+    """A ``cls`` layer named as ``bn``, with its arguments (contrib's layer
+    has no ``axis``: 1) and its very Parameter objects."""
     kwargs = dict(getattr(bn, '_kwargs', {}))
-    return dict(axis=kwargs.get('axis', 1), momentum=kwargs.get('momentum', 0.9),
-                epsilon=kwargs.get('eps', 1e-5), center=bn.beta.grad_req != 'null',
+    layer = cls(prefix=bn.prefix, axis=kwargs.get('axis', 1),
+                momentum=kwargs.get('momentum', 0.9), epsilon=kwargs.get('eps', 1e-5),
                 scale=not kwargs.get('fix_gamma', False),
                 use_global_stats=kwargs.get('use_global_stats', False),
-                in_channels=bn.gamma.shape[0] if bn.gamma.shape else 0)
+                in_channels=bn.gamma.shape[0] if bn.gamma.shape else 0, **settings)
+    return adopt_parameters(layer, (bn.gamma, bn.beta, bn.running_mean, bn.running_var))
 
 
 def _swap(block, make):
@@ -143,8 +147,7 @@ def convert_model(net, num_devices=None, timeout=None, kvstore=None, sync_groups
         if layer is None:
             _warn_if_it_normalizes(block)
             return None
-        return layer(prefix=block.prefix, params=block.params, **dict(settings,
-                                                                      **_settings(block)))
+        return _replacement(layer, block, **settings)
     new = make(net)
     if new is not None:
         return new
@@ -173,8 +176,7 @@ def revert_model(net):
         if isinstance(block, SymbolBlock):
             return block if _unsynchronize_graph(block) else None
         layer = _REVERTED.get(type(block))
-        return layer(prefix=block.prefix, params=block.params, **_settings(block)) \
-            if layer is not None else None
+        return _replacement(layer, block) if layer is not None else None
     new = make(net)
     if new is not None:
         return new

@@ -42,10 +42,19 @@ def layers(net, cls):
     return found
 
 
-def test_convert_reaches_every_kind_of_child_and_keeps_settings():
+@pytest.mark.parametrize('frozen', [False, True])
+def test_convert_reaches_every_kind_of_child_and_keeps_settings(frozen):
     net = Custom()
     net.initialize()
+    if frozen:  # as GluonCV's fine-tuning freezes them
+        net.collect_params('.*gamma|.*beta').setattr('grad_req', 'null')
+
+    def attributes():
+        return [(id(p), p.grad_req, p.lr_mult, p._differentiable, p.init)
+                for p in net.collect_params().values()]
+    kept = attributes()
     convert_model(net)
+    assert attributes() == kept
     assert len(layers(net, SyncBatchNorm)) == 4
     assert not layers(net, gluon.nn.BatchNorm)
     assert isinstance(net.bn, SyncBatchNorm) and all(isinstance(b, SyncBatchNorm)
@@ -53,6 +62,8 @@ def test_convert_reaches_every_kind_of_child_and_keeps_settings():
     assert net.bn._kwargs['momentum'] == 0.8 and net.bn._kwargs['eps'] == 1e-3
     assert net.bn.beta.grad_req == 'null'             # center=False kept
     assert net.branches[0]._kwargs['fix_gamma'] is True  # scale=False kept
+    revert_model(net)
+    assert attributes() == kept and len(layers(net, gluon.nn.BatchNorm)) == 4
 
 
 def test_checkpoints_move_both_ways_bit_exact(tmp_path):
@@ -279,11 +290,20 @@ EXPORTS = [dict(hybridize=True), dict(hybridize='static'), dict(hybridize=True, 
 EXPORT_IDS = ['hybridized', 'static_shape', 'hybridized-batchnormrelu']
 
 
+# Fine-tuning's frozen gamma and beta (scenarios.convert.frozen_network), in
+# the same processes: frozen before conversion or after it (then reverted
+# and converted again).
+FROZEN = [dict(freeze='before', hybridize=False), dict(freeze='before', hybridize='static'),
+          dict(freeze='after', hybridize=True)]
+FROZEN_IDS = ['before-imperative', 'before-static_shape', 'after-hybridized']
+
+
 @pytest.fixture(scope='module', params=OPERATOR_PATHS)
 def exported(request, tmp_path_factory):
     folders = [str(tmp_path_factory.mktemp('export')) for _ in EXPORTS]
     batch = run_batch([('export_and_import', dict(case, export_to=folder))
-                       for case, folder in zip(EXPORTS, folders)], timeout=300,
+                       for case, folder in zip(EXPORTS, folders)] +
+                      [('frozen_network', case) for case in FROZEN], timeout=300,
                       env=PATHS[request.param])
     return request.param, batch, folders
 
@@ -328,6 +348,21 @@ def test_an_imported_export_converts_and_trains_synchronized(exported, case):
     for key in ('imported_out', 'imported_grad', 'imported_running'):
         assert r[key] < 1e-5, (key, r)
     assert r['export_is_the_import'] and not r['reverted_marks'], r
+
+
+@pytest.mark.parametrize('case', FROZEN, ids=FROZEN_IDS)
+def test_a_frozen_network_converts_keeping_its_parameters_and_trains_exactly(exported, case):
+    """convert_model and revert_model keep every Parameter, the object and
+    its grad_req, lr_mult, wd_mult, differentiable and init; the converted
+    network trains on 3 contexts as nn.BatchNorm's on the whole batch in
+    float64 (outputs, gradients, running statistics, the Trainer's update),
+    its frozen gamma and beta as they were."""
+    path, batch, _ = exported
+    r = result_of(batch, len(EXPORTS) + FROZEN.index(case))
+    assert r['operator'] == PATH_OPERATOR[path] and r['layers'] == 3, r
+    assert r['kept'] and r['frozen_unchanged'], r
+    for key in ('step_out', 'step_grad', 'step_running', 'param'):
+        assert r[key] < 1e-5, (key, r)
 
 
 # What a backward raises (scenarios.convert.backward_errors), in every mode.

@@ -274,6 +274,84 @@ def export_and_import(export_to, hybridize=True, relu=False, sizes=(3, 2, 2), se
     return result
 
 
+# What a fine-tuning script freezes (GluonCV's: gamma and beta), but the
+# input layer's: nn.BatchNorm on CPU updates its running statistics in
+# backward, which MXNet skips for a layer nothing before needs a gradient
+# of, so the reference would keep that layer's as they were.
+FROZEN = 'net_batchnorm[12]_(gamma|beta)'
+
+
+def _parameter_attributes(net):
+    """Each Parameter of ``net``, the object and what the Trainer and
+    initialization read of it."""
+    return [(name, id(p), p.grad_req, p.lr_mult, p.wd_mult, p._differentiable, str(p.init))
+            for name, p in net.collect_params().items()]
+
+
+@scenario
+def frozen_network(freeze='before', hybridize=True, sizes=(3, 2, 2), seed=0):
+    """A network whose BatchNorm gamma and beta are frozen (``grad_req``
+    'null', as GluonCV's fine-tuning freezes them), ``'before'`` conversion
+    (after a first call, hybridized as ``hybridize``) or ``'after'`` it
+    (then reverted and converted again), with other Parameters' ``lr_mult``
+    and ``wd_mult`` set: whether every Parameter is the object it was with
+    its attributes, and two training steps (Trainer included) on
+    len(sizes) contexts against the same network with nn.BatchNorm on the
+    whole batch in float64, data 1e3 from zero."""
+    from gluon_syncbn import convert_model, revert_model
+    rng = np.random.RandomState(seed)
+    ctxs = contexts(len(sizes))
+    net = _export_net(gluon.nn.BatchNorm, gluon.nn.BatchNorm)
+    net.initialize(ctx=ctxs)
+    _set_weights(net, rng)
+    net.collect_params('.*conv0_weight').setattr('lr_mult', 0.5)
+    net.collect_params('.*dense0_weight').setattr('wd_mult', 0.0)
+    net.collect_params('.*batchnorm0_gamma').setattr('init', mx.init.Constant(2.0))
+    _hybridize(net, hybridize)
+    if freeze == 'before':
+        net.collect_params(FROZEN).setattr('grad_req', 'null')
+        with autograd.predict_mode():
+            net(mx.nd.ones((1, 3, 6, 6), ctx=ctxs[0]))
+        before = _parameter_attributes(net)
+        convert_model(net, timeout=60)
+    else:
+        convert_model(net, timeout=60)
+        net.collect_params(FROZEN).setattr('grad_req', 'null')
+        before = _parameter_attributes(net)
+        revert_model(net)
+        convert_model(net, timeout=60)
+    result = {'kept': _parameter_attributes(net) == before,
+              'layers': sum(isinstance(b, SyncBatchNorm) for b in _blocks(net))}
+    twin = _export_net(gluon.nn.BatchNorm, gluon.nn.BatchNorm)
+    twin.initialize(ctx=mx.cpu(0))
+    twin.cast('float64')
+    for name, value in _values(net.collect_params()).items():
+        twin.collect_params()[name].set_data(mx.nd.array(value, dtype='float64'))
+    for name, p in net.collect_params().items():
+        twin.collect_params()[name].grad_req = p.grad_req
+        twin.collect_params()[name].lr_mult, twin.collect_params()[name].wd_mult = \
+            p.lr_mult, p.wd_mult
+    _hybridize(net, hybridize)
+    _hybridize(twin, hybridize)
+    frozen = {n: v for n, v in _values(net.collect_params(FROZEN)).items()}
+    trainers = [gluon.Trainer(n.collect_params(), 'sgd', {'learning_rate': 0.1, 'wd': 1e-3})
+                for n in (net, twin)]
+    errs = WorstErrors()
+    for _ in range(2):
+        x = (rng.randn(sum(sizes), 3, 6, 6) + 1e3).astype(np.float32)
+        _compare_step(errs, 'step', net, twin, x, sizes, ctxs, rng)
+        for trainer in trainers:
+            trainer.step(sum(sizes))
+        for name, p in net.collect_params().items():
+            for c in ctxs:
+                errs.note('param', p.data(c).asnumpy(), twin.collect_params()[name].data().asnumpy())
+    result['frozen_unchanged'] = all((_values(net.collect_params(FROZEN))[n] == v).all()
+                                     for n, v in frozen.items())
+    result['operator'] = net[0]._sync_backend.name
+    result.update(errs)
+    return result
+
+
 @scenario
 def backward_errors(hybridize=True, seed=0):
     """What a backward raises, on _BNStack on two contexts, after a good
