@@ -10,6 +10,7 @@ kvstore support. ``--selftest`` runs the self-tests now, in subprocesses, on
 two GPUs where there are, else on two CPU contexts.
 """
 import argparse
+import importlib.util
 import os
 import sys
 
@@ -26,13 +27,23 @@ def _section(lines, title):
 
 
 def report(selftest=False):
-    """The report's lines. ``selftest``: run both self-tests now."""
-    import mxnet as mx
-    from . import __version__, backends, cpu_contexts, cuda_libs, gpus, native
+    """The report's lines. ``selftest``: run both self-tests now. Without
+    MXNet: the machine, how to install MXNet, and the settings."""
+    from . import NO_MXNET, __version__
     lines = ['gluon_syncbn %s, Python %s' % (__version__, sys.version.split()[0])]
     _section(lines, 'Machine')
     lines.append('  CPU cores: %d usable of %d' % (len(os.sched_getaffinity(0)), os.cpu_count()))
     lines.append('  AVX-512: %s' % _avx512())
+    if importlib.util.find_spec('mxnet') is None:
+        _section(lines, 'MXNet')
+        lines.append('  not found by %s' % sys.executable)
+        lines.append('  %s' % NO_MXNET)
+        lines.append('  the rest of this report, the native library%s, needs MXNet'
+                     % (' and its self-tests' if selftest else ''))
+        _settings(lines)
+        return lines
+    import mxnet as mx
+    from . import backends, cpu_contexts, cuda_libs, gpus, native
     lines.append('  compiler: %s' % native.compiler_version())
     lines.append('  CPU-context setup: %s' % cpu_contexts.describe())
     _section(lines, 'MXNet')
@@ -85,10 +96,14 @@ def report(selftest=False):
     lines.append('  kvstore: %s' % ('dist_sync and dist_sync_device' if features.is_enabled(
         'DIST_KVSTORE') else 'not in this MXNet build (no DIST_KVSTORE)'))
     lines.append('  horovod: %s' % _horovod())
+    _settings(lines)
+    return lines
+
+
+def _settings(lines):
     _section(lines, 'Settings')
     for name in ENVIRONMENT:
         lines.append('  %s=%s' % (name, os.environ.get(name, '')))
-    return lines
 
 
 def _avx512():

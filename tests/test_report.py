@@ -51,16 +51,27 @@ def test_the_report_says_whether_the_cpu_context_setup_is_in_effect():
         'MXNET_CPU_PARALLEL_RAND_COPY=32)' in text, text
 
 
-def test_without_mxnet_import_and_report_name_the_extras():
-    # -S: no site-packages, so no MXNet; this checkout through PYTHONPATH.
-    for args in (['-c', 'import gluon_syncbn'], ['-m', 'gluon_syncbn']):
-        proc = subprocess.run([sys.executable, '-S'] + args, capture_output=True, text=True,
-                              timeout=60, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT))
-        assert proc.returncode == 1, proc
-        last = proc.stderr.strip().splitlines()[-1]
-        assert last.startswith('ModuleNotFoundError: gluon_syncbn needs MXNet 1.9.1, which is '
-                               "not installed here: install the package with one of its extras, "
-                               "pip install -e '.[cpu]'") and "'.[gpu]'" in last, proc.stderr
+def test_without_mxnet_import_names_the_extras_and_the_report_reports():
+    # -S: no site-packages, so no MXNet (nor NumPy); this checkout through PYTHONPATH.
+    extras = ("gluon_syncbn needs MXNet 1.9.1, which is not installed here: install the package "
+              "with one of its extras, pip install -e '.[cpu]' (MXNet's CPU build) or "
+              "pip install -e '.[gpu]'")
+
+    def run(*args):
+        return subprocess.run([sys.executable, '-S'] + list(args), capture_output=True,
+                              text=True, timeout=60, cwd=ROOT,
+                              env=dict(os.environ, PYTHONPATH=ROOT))
+    proc = run('-c', 'import gluon_syncbn')
+    assert proc.returncode == 1, proc
+    assert proc.stderr.strip().splitlines()[-1].startswith('ModuleNotFoundError: ' + extras), \
+        proc.stderr
+    proc = run('-m', 'gluon_syncbn', '--selftest')
+    assert proc.returncode == 0 and not proc.stderr, proc
+    text = proc.stdout
+    assert '\nMachine\n  CPU cores: %d usable' % len(os.sched_getaffinity(0)) in text, text
+    assert '\nMXNet\n  not found by %s\n  %s' % (sys.executable, extras) in text, text
+    assert 'the native library and its self-tests, needs MXNet' in text, text
+    assert '\nSettings\n  GLUON_SYNCBN_BACKEND=' in text, text
 
 
 def test_the_report_says_why_no_backend_can_run(tmp_path):
