@@ -4,12 +4,13 @@ Both directions hand the *same* Parameter objects to the new layer, so values,
 contexts, gradients, attributes (a frozen ``grad_req``, ``lr_mult``, ...) and
 checkpoints are untouched (bit-exact by construction).
 In a SymbolBlock's graph (``SymbolBlock.imports`` of an export, GluonCV's
-feature extractors) the BatchNorm nodes fed by the block's Parameters are
-marked with a layer each, as a SyncBatchNorm's trace marks its node
-(:mod:`.traced`), and unmarked again. A block that normalizes over the
-batch but is none of the layers known here (another subclass of Gluon's
-``_BatchNorm``; a node of contrib's SyncBatchNorm, or one whose statistics
-are computed by operators, in a SymbolBlock) stays as it is, with a warning
+feature extractors) the BatchNorm nodes fed by the block's Parameters, and
+contrib's SyncBatchNorm nodes made BatchNorm's, are marked with a layer
+each, as a SyncBatchNorm's trace marks its node (:mod:`.traced`), and
+unmarked again (BatchNorm's nodes). A block that normalizes over the batch
+but is none of the layers known here (another subclass of Gluon's
+``_BatchNorm``; a node of ``BatchNorm_v1``, or one whose statistics are
+computed by operators, in a SymbolBlock) stays as it is, with a warning
 naming it.
 """
 from mxnet import ndarray
@@ -113,8 +114,9 @@ def convert_model(net, num_devices=None, timeout=None, kvstore=None, sync_groups
     the old layer's Parameter objects, so initialized values, running
     statistics and checkpoints carry over exactly. In a SymbolBlock's graph
     (``SymbolBlock.imports`` of an export, GluonCV's feature extractors) every
-    BatchNorm node that uses batch statistics and takes its statistics from
-    the block's Parameters synchronizes, with a layer of its own.
+    BatchNorm or contrib SyncBatchNorm node (GluonCV's ``_syncbn_`` networks)
+    that uses batch statistics and takes its statistics from the block's
+    Parameters synchronizes, with a layer of its own.
 
     Parameters
     ----------
@@ -185,9 +187,10 @@ def revert_model(net):
 
 
 def _synchronize_graph(block, settings):
-    """Mark every BatchNorm node of a SymbolBlock's graph that uses batch
-    statistics and takes gamma, beta and the running statistics from the
-    block's Parameters, each with a layer of its own (a shadow with the
+    """Mark every BatchNorm node of a SymbolBlock's graph (contrib's
+    SyncBatchNorm nodes made BatchNorm's) that uses batch statistics and
+    takes gamma, beta and the running statistics from the block's
+    Parameters, each with a layer of its own (a shadow with the
     node's arguments and ``settings``, :meth:`SyncBatchNorm.shadow`), as a
     SyncBatchNorm's trace would; nodes a live layer of the block's
     Parameters marked already keep their layer. Warns about batch-norm
@@ -197,7 +200,7 @@ def _synchronize_graph(block, settings):
     params = {p.name: p for p in block.collect_params().values()}
     tokens, left = {}, []
     for node in graph['nodes']:
-        if node['op'] not in traced.MARKABLE:
+        if node['op'] not in traced.MARKABLE + (traced.CONTRIB,):
             if node['op'] in traced.BATCHNORMS:
                 left.append(node['name'])
             continue
@@ -217,9 +220,10 @@ def _synchronize_graph(block, settings):
         tokens[node['name']] = traced.token_of(layer)
     if left:
         warn_user("convert_model: '%s' is a SymbolBlock whose graph holds batch-norm "
-                  "operator(s) it cannot synchronize (%s: contrib's SyncBatchNorm, or "
-                  "statistics that are no Parameters of the block): they stay as they are. "
-                  "Build the network in Python (its Gluon model) and convert that."
+                  "operator(s) it cannot synchronize (%s: BatchNorm_v1, or statistics that "
+                  "are no Parameters of the block): they stay as they are and normalize each "
+                  "device's slice alone. Build the network in Python (its Gluon model) and "
+                  "convert that."
                   % (block.name, ', '.join("'%s'" % n for n in left)))
     if not tokens:
         return False

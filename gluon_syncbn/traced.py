@@ -30,9 +30,14 @@ MARK = '__gluon_syncbn__'
 MARKABLE = ('BatchNorm', '_contrib_BatchNormWithReLU')
 # Of those, the ones whose output goes through ReLU (nn.BatchNormReLU's).
 WITH_RELU = ('_contrib_BatchNormWithReLU',)
+# contrib's SyncBatchNorm operator (GluonCV's _syncbn_ networks): BatchNorm's
+# arguments, defaults included, and two of its own, the count of devices and
+# the key of its barrier, which :func:`mark` drops, making it BatchNorm.
+CONTRIB = '_contrib_SyncBatchNorm'
+_CONTRIB_ONLY = ('ndev', 'key')
 # Every batch-norm operator a graph may hold; the others no mark can
 # synchronize.
-BATCHNORMS = MARKABLE + ('_contrib_SyncBatchNorm', 'BatchNorm_v1')
+BATCHNORMS = MARKABLE + (CONTRIB, 'BatchNorm_v1')
 
 # A token is '<this process's nonce>.<count>': one from another process (a
 # symbol saved with Symbol.save) names no layer here.
@@ -103,9 +108,14 @@ def marked_in_subgraphs(graph):
 
 def _retokened(symbol, token_for):
     """``symbol`` with each markable node's mark set to ``token_for(node)``
-    (None: no mark)."""
+    (None: no mark); a node of contrib's SyncBatchNorm given one becomes a
+    BatchNorm node."""
     graph = graph_of(symbol)
     for node in graph['nodes']:
+        if node['op'] == CONTRIB and token_for(node) is not None:
+            node['op'] = 'BatchNorm'
+            for name in _CONTRIB_ONLY:
+                node.get('attrs', {}).pop(name, None)
         if node['op'] not in MARKABLE:
             continue
         attrs = node.setdefault('attrs', {})
@@ -124,7 +134,8 @@ def strip(symbol):
 
 def mark(symbol, tokens):
     """``symbol`` with node ``name`` marked ``tokens[name]`` for each name in
-    ``tokens``; other nodes as they are."""
+    ``tokens`` (a node of contrib's SyncBatchNorm made BatchNorm's first);
+    other nodes as they are."""
     return _retokened(symbol, lambda node: tokens.get(node['name'],
                                                       node.get('attrs', {}).get(MARK)))
 

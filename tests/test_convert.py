@@ -213,18 +213,35 @@ def test_batchnorm_relu_converts_and_reverts_and_unknown_ones_are_named(tmp_path
 
 
 def test_symbol_blocks_nodes_it_cannot_synchronize_are_named():
-    """contrib's SyncBatchNorm in a SymbolBlock's graph stays, with one
-    warning naming its node; a SymbolBlock inside a hybridized network is
+    """contrib's SyncBatchNorm nodes in a SymbolBlock's graph (a traced
+    layer's, and the operator's as GluonCV's FPN calls it) become marked
+    BatchNorm nodes, predicting as before; a BatchNorm_v1 node stays, with
+    one warning naming it; a SymbolBlock inside a hybridized network is
     converted there, and the network's graph traced again."""
     plain = gluon.nn.HybridSequential(prefix='contrib_')
     with plain.name_scope():
         plain.add(gluon.contrib.nn.SyncBatchNorm(num_devices=1, in_channels=3))
     data = mx.sym.var('data')
-    block = gluon.SymbolBlock(plain(data), data, params=plain.collect_params())
-    with pytest.warns(RuntimeWarning, match="'%s' is a SymbolBlock whose graph holds "
-                                            "batch-norm operator.* it cannot synchronize "
-                                            "\\('contrib_syncbatchnorm0_fwd'" % block.name):
+    node = mx.sym.contrib.SyncBatchNorm(plain(data), name='P2_bn', key='P2_bn', ndev=2)
+    block = gluon.SymbolBlock(mx.sym.BatchNorm_v1(node, name='v1'), data,
+                              params=plain.collect_params())
+    block.initialize()
+    x = mx.nd.random.normal(shape=(2, 3, 4, 4))
+    block.collect_params('.*var').setattr('init', 'ones')
+    block.collect_params('.*var').initialize(force_reinit=True)
+    expected = block(x).asnumpy()
+    with pytest.warns(RuntimeWarning) as caught:
         convert_model(block)
+    assert [str(w.message) for w in caught] == [
+        "convert_model: '%s' is a SymbolBlock whose graph holds batch-norm operator(s) it "
+        "cannot synchronize ('v1': BatchNorm_v1, or statistics that are no Parameters of the "
+        "block): they stay as they are and normalize each device's slice alone. Build the "
+        "network in Python (its Gluon model) and convert that." % block.name]
+    nodes = [n for n in traced.graph_of(block._cached_graph[1])['nodes'] if n['op'] != 'null']
+    assert [(n['op'], traced.MARK in n.get('attrs', {})) for n in nodes] == [
+        ('BatchNorm', True), ('BatchNorm', True), ('BatchNorm_v1', False)], nodes
+    assert not {'ndev', 'key'} & (set(nodes[0]['attrs']) | set(nodes[1]['attrs'])), nodes
+    assert np.abs(block(x).asnumpy() - expected).max() <= 1e-6 * np.abs(expected).max()
     backbone = gluon.nn.HybridSequential(prefix='bb_')
     with backbone.name_scope():
         backbone.add(gluon.nn.Conv2D(3, 1, in_channels=3), gluon.nn.BatchNorm(in_channels=3))

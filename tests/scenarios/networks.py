@@ -2,6 +2,7 @@
 concatenated batch, and converted backbones traced into SymbolBlocks
 (tests/test_networks.py).
 """
+import json
 import os
 import sys
 
@@ -172,25 +173,39 @@ def train_vs_single_device(arch='conv', sizes=(2, 2), steps=3, hybridize=False, 
 def _backbone(norm, prefix='bb_'):
     """BN on the input (far from zero: its statistics are exact in float64),
     then three conv + BN + relu stages, the last two with stride 2 (8x8,
-    4x4, 2x2 maps): a backbone GluonCV's feature extractors take."""
+    4x4, 2x2 maps): a backbone GluonCV's feature extractors take. Its norm
+    layers are named bn0 to bn3, whatever ``norm`` is."""
     net = gluon.nn.HybridSequential(prefix=prefix)
     with net.name_scope():
-        net.add(norm(in_channels=3),
+        net.add(norm(in_channels=3, prefix='bn0_'),
                 gluon.nn.Conv2D(8, 3, padding=1, use_bias=False, in_channels=3),
-                norm(in_channels=8),
+                norm(in_channels=8, prefix='bn1_'),
                 gluon.nn.Activation('relu'),
                 gluon.nn.Conv2D(8, 3, strides=2, padding=1, use_bias=False, in_channels=8),
-                norm(in_channels=8, momentum=0.8), gluon.nn.Activation('relu'),
+                norm(in_channels=8, momentum=0.8, prefix='bn2_'), gluon.nn.Activation('relu'),
                 gluon.nn.Conv2D(8, 3, strides=2, padding=1, use_bias=False, in_channels=8),
-                norm(in_channels=8, epsilon=1e-3), gluon.nn.Activation('relu'))
+                norm(in_channels=8, epsilon=1e-3, prefix='bn3_'), gluon.nn.Activation('relu'))
     return net
 
 
-def _feature_block(kind, backbone):
+def _contrib_norm(**kwargs):
+    """contrib's SyncBatchNorm, as GluonCV's _syncbn_ networks build their backbones."""
+    return gluon.contrib.nn.SyncBatchNorm(num_devices=3, **kwargs)
+
+
+def _batchnorm_named(data, name=None, key=None, ndev=None):
+    """BatchNorm's operator, named as GluonCV names contrib's SyncBatchNorm
+    operator (which has BatchNorm's arguments and defaults)."""
+    return mx.sym.BatchNorm(data, name=name)
+
+
+def _feature_block(kind, backbone, reference=False):
     """``backbone`` traced into a SymbolBlock: by hand (``'hand'``: sharing
     its Parameters; ``'hand_own'``: Parameters of its own), GluonCV's
     FeatureExpander (``'expander'``; ``'expander_bn'`` with its own BatchNorm
-    operators) or FPNFeatureExpander (``'fpn'``)."""
+    operators) or FPNFeatureExpander (``'fpn'``; ``'fpn_syncbn'`` with
+    contrib's SyncBatchNorm operator after its convolutions, as GluonCV's
+    _syncbn_ detectors build it, BatchNorm's for the ``reference``)."""
     if kind in ('hand', 'hand_own'):
         data = mx.sym.var('data')
         internals = backbone(data).get_internals()
@@ -198,9 +213,20 @@ def _feature_block(kind, backbone):
         return gluon.SymbolBlock(outputs, data, params=backbone.collect_params()
                                  if kind == 'hand' else None)
     from gluoncv.nn.feature import FeatureExpander, FPNFeatureExpander
+    outputs = ['relu0_fwd', 'relu1_fwd', 'relu2_fwd']
     if kind == 'fpn':
-        return FPNFeatureExpander(backbone, ['relu0_fwd', 'relu1_fwd', 'relu2_fwd'],
-                                  num_filters=[8, 8, 8])
+        return FPNFeatureExpander(backbone, outputs, num_filters=[8, 8, 8])
+    if kind == 'fpn_syncbn':
+        from unittest import mock
+        from gluoncv.nn import feature
+        if not reference:
+            return FPNFeatureExpander(backbone, outputs, num_filters=[8, 8, 8],
+                                      norm_layer=mx.sym.contrib.SyncBatchNorm,
+                                      norm_kwargs={'ndev': 3})
+        # GluonCV names the nodes only for contrib's operator.
+        with mock.patch.object(feature, 'SyncBatchNorm', _batchnorm_named):
+            return FPNFeatureExpander(backbone, outputs, num_filters=[8, 8, 8],
+                                      norm_layer=_batchnorm_named)
     return FeatureExpander(backbone, ['relu1_fwd', 'relu2_fwd'], num_filters=[8],
                            use_bn=kind == 'expander_bn', min_depth=8)
 
@@ -208,7 +234,7 @@ def _feature_block(kind, backbone):
 def _twin64(kind, values):
     """The same graph with nn.BatchNorm, on one context, in float64, with
     ``values`` (by name): nn.BatchNorm on the whole batch."""
-    twin = _feature_block(kind, _backbone(gluon.nn.BatchNorm))
+    twin = _feature_block(kind, _backbone(gluon.nn.BatchNorm), reference=True)
     params = twin.collect_params()
     params.initialize(ctx=mx.cpu(0))
     twin.cast('float64')
@@ -235,19 +261,20 @@ def traced_backbone(kind='hand', order='initall', hybridize=True, sizes=(3, 2, 2
     rng = np.random.RandomState(seed)
     ctxs = contexts(len(sizes))
     one = [mx.cpu(0)]
-    backbone = convert_model(_backbone(gluon.nn.BatchNorm), timeout=60)
+    backbone = _backbone(_contrib_norm) if kind == 'fpn_syncbn' else \
+        convert_model(_backbone(gluon.nn.BatchNorm), timeout=60)
     if order == 'initall':
         backbone.initialize(ctx=ctxs)
     elif order in ('init1', 'run1_then_all'):
         backbone.initialize(ctx=one)
     feat = _feature_block(kind, backbone)
-    if kind == 'expander_bn':
+    if kind in ('expander_bn', 'fpn_syncbn'):
         convert_model(feat, timeout=60)
     params = feat.collect_params()
     with warnings_.catch_warnings():
         warnings_.simplefilter('ignore')  # the backbone's, initialized already
         if order == 'load_after':
-            source = _feature_block(kind, _backbone(gluon.nn.BatchNorm))
+            source = _feature_block(kind, _backbone(gluon.nn.BatchNorm), reference=True)
             source.collect_params().initialize(ctx=one)
             _set_weights(source, rng)
             source(mx.nd.zeros((1, 3, 8, 8)))  # its own Parameters get their values
@@ -291,5 +318,101 @@ def traced_backbone(kind='hand', order='initall', hybridize=True, sizes=(3, 2, 2
         with autograd.predict_mode():
             np.save(os.path.join(export_to, 'y.npy'), np.concatenate(
                 [o.asnumpy().ravel() for o in _as_list(feat(mx.nd.array(test, ctx=ctxs[0])))]))
+    result.update(errs)
+    return result
+
+
+def _plain_graph(symbol):
+    """``symbol`` as a network of nn.BatchNorm has it: no marks, and
+    BatchNorm nodes for contrib's SyncBatchNorm (the same arguments and
+    defaults, less its count of devices and key)."""
+    graph = json.loads(symbol.tojson())
+    for node in graph['nodes']:
+        attrs = node.get('attrs', {})
+        attrs.pop('__gluon_syncbn__', None)
+        if node['op'] == '_contrib_SyncBatchNorm':
+            node['op'] = 'BatchNorm'
+            for name in ('ndev', 'key'):
+                attrs.pop(name, None)
+    return mx.sym.load_json(json.dumps(graph))
+
+
+@scenario
+def gluoncv_detector(name, convert=True, whole=False, sizes=(2, 2), size=64, seed=0, **build):
+    """GluonCV's detector ``name`` built as its users build it, without
+    weights (``build``: the builder's further arguments), ``convert_model``
+    on it where ``convert``, then, with random values, one training step on
+    len(sizes) contexts on data 1e3 from zero, of the whole network
+    (``whole``, SSD's) or of its feature extractor (a SymbolBlock): the
+    warnings of gluon_syncbn (the conversion's and the step's), how many of
+    the feature extractor's running statistics differ between devices, and
+    its running statistics (and outputs, unless ``whole``) against its graph
+    with BatchNorm's operator on the whole batch on one context in float64,
+    beside that graph's own float32 distance from float64."""
+    import warnings as warnings_
+    from gluoncv import model_zoo
+    from gluon_syncbn import convert_model
+    rng = np.random.RandomState(seed)
+    ctxs = contexts(len(sizes))
+    with warnings_.catch_warnings(record=True) as caught:
+        warnings_.simplefilter('always')
+        net = model_zoo.get_model(name, pretrained=False, pretrained_base=False, **build)
+        if convert:
+            convert_model(net, timeout=60)
+        net.initialize(ctx=ctxs)
+        feat = net.features
+        with autograd.predict_mode():
+            feat(mx.nd.zeros((1, 3, size, size), ctx=ctxs[0]))  # its own Parameters' shapes
+        for param_name, p in sorted(feat.collect_params().items()):
+            low, high = {'gamma': (0.5, 1.5), 'beta': (-0.5, 0.5), 'mean': (-0.5, 0.5),
+                         'var': (0.5, 2.0)}.get(param_name.rsplit('_', 1)[-1], (None, None))
+            if low is not None:
+                p.set_data(mx.nd.array(rng.uniform(low, high, p.shape)))
+        values = _values(feat.collect_params())
+        target = net if whole else feat
+        target.hybridize()
+        x = (rng.randn(sum(sizes), 3, size, size) + 1e3).astype(np.float32)
+        xs = [mx.nd.array(p, ctx=c) for p, c in zip(split_batch(x, sizes), ctxs)]
+        with autograd.predict_mode():
+            shapes = [o.shape for o in _as_list(target(xs[0]))]
+        dys = [rng.randn(len(x), *shape[1:]) for shape in shapes]
+        parts = [split_batch(d, sizes) for d in dys]
+        outs = _graph_step(target, xs, [[mx.nd.array(parts[k][i], ctx=c)
+                                         for k in range(len(dys))] for i, c in enumerate(ctxs)])
+        mx.nd.waitall()
+    running = {n: p for n, p in feat.collect_params().items() if 'running' in n or 'moving' in n}
+    result = {'warnings': [str(w.message) for w in caught
+                           if 'gluon_syncbn' in str(w.message) or 'convert_model' in str(w.message)],
+              'running': len(running), 'differ': sum(
+                  not np.array_equal(p.data(ctxs[0]).asnumpy(), p.data(c).asnumpy())
+                  for p in running.values() for c in ctxs[1:])}
+    errs, twins, refs = WorstErrors(), {}, {}
+    plain = _plain_graph(feat._cached_graph[1])
+    for dtype in ('float64', 'float32'):
+        twin = twins[dtype] = gluon.SymbolBlock(plain, mx.sym.var('data'))
+        with warnings_.catch_warnings():
+            warnings_.simplefilter('ignore')
+            twin.collect_params().initialize(ctx=mx.cpu(0))
+        twin.cast(dtype)
+        for param_name, p in twin.collect_params().items():
+            p.set_data(mx.nd.array(values[param_name], dtype=dtype))
+        with autograd.record():
+            ref = _as_list(twin(mx.nd.array(x, dtype=dtype)))
+        # Its running statistics (nn.BatchNorm updates them in backward): what
+        # the head gradients are does not matter.
+        autograd.backward(ref, [mx.nd.ones_like(r) for r in ref])
+        refs[dtype] = ([r.asnumpy() for r in ref],
+                       {n: twin.collect_params()[n].data().asnumpy() for n in running})
+    for dtype in ('float64', 'float32'):
+        for k, r in enumerate(refs[dtype][0] if not whole else ()):
+            errs.note(dtype + '_out', np.concatenate([o[k].asnumpy() for o in outs]), r)
+        for param_name, p in running.items():
+            for c in ctxs:
+                errs.note(dtype + '_running', p.data(c).asnumpy(), refs[dtype][1][param_name])
+    (out32, running32), (out64, running64) = refs['float32'], refs['float64']
+    for a, b in zip(out32, out64):
+        errs.note('plain32_out', a, b)
+    for param_name in running:
+        errs.note('plain32_running', running32[param_name], running64[param_name])
     result.update(errs)
     return result
