@@ -23,7 +23,7 @@ from .session import SESSION, SETUP_LOCK
 from .traced import MARK, token_of
 from .transport import make_transport
 
-__all__ = ['SyncBatchNorm', 'adopt_parameters', 'is_sync_batchnorm']
+__all__ = ['SyncBatchNorm', 'adopt_parameters', 'is_sync_batchnorm', 'use_network_check']
 
 # Seconds a device waits for the other devices of its process, and a worker
 # for the other workers: those may pause far longer in a healthy job (an
@@ -42,6 +42,18 @@ def timeouts(timeout):
     if value is None or value == '':
         return DEFAULT_TIMEOUT, DEFAULT_REMOTE_TIMEOUT
     return float(value), float(value)
+
+
+# What a layer's first training call that synchronizes runs, given the layer
+# and its number of devices: the check of the network calling it
+# (graphs.check_network, which hooks.install hands over: block.py does not
+# import graphs).
+_network_check = [lambda layer, num_devices: None]
+
+
+def use_network_check(check):
+    """Called by ``hooks.install``: ``check(layer, num_devices)``."""
+    _network_check[0] = check
 
 
 class SyncBatchNorm(nn.BatchNorm):
@@ -157,6 +169,7 @@ class SyncBatchNorm(nn.BatchNorm):
         self._synchronizes = False
         self._checked_shape = None  # the input shape the last imperative call checked
         self._input_dtype = 'float32'
+        self._network_checked = False  # _network_check, at the first training call
 
     def _alias(self):
         return 'syncbatchnorm'  # names as before nn.BatchNorm was its base ('batchnorm')
@@ -167,7 +180,7 @@ class SyncBatchNorm(nn.BatchNorm):
     # calls); and what graphs kept of it (its token in traced graphs: the
     # copy's traces name the copy).
     _FRESH = {'_sync_backend': None, '_checked_contexts': None, '_synchronizes': False,
-              '_checked_shape': None}
+              '_checked_shape': None, '_network_checked': False}
 
     def __getstate__(self):
         state = {k: v for k, v in self.__dict__.items() if not k.startswith('_gluon_syncbn')}
@@ -339,6 +352,9 @@ class SyncBatchNorm(nn.BatchNorm):
             # precision on CPU.)
             return F.BatchNorm(x, gamma, beta, running_mean, running_var, name='fwd',
                                **self._kwargs)
+        if not self._network_checked:
+            self._network_checked = True
+            _network_check[0](self, len(backend.devices))
         SESSION.clear_failed_arrays()
         backend.follow_arguments()  # a graph's calls: graphs.run_cached_op
         if not all(x.shape):  # an empty slice (NumPy shape mode: _check_input)

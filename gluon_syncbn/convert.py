@@ -13,6 +13,8 @@ but is none of the layers known here (another subclass of Gluon's
 computed by operators, in a SymbolBlock) stays as it is, with a warning
 naming it.
 """
+import re
+
 from mxnet import ndarray
 from mxnet.gluon import SymbolBlock, nn
 from mxnet.gluon.contrib import nn as contrib_nn
@@ -22,7 +24,7 @@ from mxnet.util import is_np_array
 from . import traced
 from .block import SyncBatchNorm, adopt_parameters, is_sync_batchnorm
 from .errors import warn_user
-from .graphs import add_shadow, drop_shadows
+from .graphs import add_shadow, drop_shadows, keep_per_device
 
 __all__ = ['convert_model', 'revert_model']
 
@@ -105,7 +107,8 @@ def _replace_references(parent, old, new):
                     value[k] = new
 
 
-def convert_model(net, num_devices=None, timeout=None, kvstore=None, sync_groups=None):
+def convert_model(net, num_devices=None, timeout=None, kvstore=None, sync_groups=None,
+                  keep=None):
     """Replace every BatchNorm in ``net`` by :class:`SyncBatchNorm`, in place.
 
     Handles ``gluon.nn.BatchNorm``, ``gluon.nn.BatchNormReLU`` and
@@ -133,6 +136,11 @@ def convert_model(net, num_devices=None, timeout=None, kvstore=None, sync_groups
     sync_groups : int, list of lists of int, or None
         Passed to every :class:`SyncBatchNorm`: normalize within these groups
         of devices.
+    keep : str or None
+        A regular expression, as ``collect_params(select)`` takes: the
+        batch-norm layers and SymbolBlock nodes whose names it matches stay
+        as they are, normalizing each device's slice alone on purpose, which
+        no warning names then (neither here nor at the first training step).
 
     Returns
     -------
@@ -141,10 +149,14 @@ def convert_model(net, num_devices=None, timeout=None, kvstore=None, sync_groups
     """
     settings = dict(num_devices=num_devices, timeout=timeout, kvstore=kvstore,
                     sync_groups=sync_groups)
+    kept = re.compile(keep).match if keep else lambda name: None
 
     def make(block):
         if isinstance(block, SymbolBlock):
-            return block if _synchronize_graph(block, settings) else None
+            return block if _synchronize_graph(block, settings, kept) else None
+        if isinstance(block, _BatchNorm) and not is_sync_batchnorm(block) and kept(block.name):
+            keep_per_device(block, block.name)
+            return None
         layer = _SYNCHRONIZED.get(type(block))
         if layer is None:
             _warn_if_it_normalizes(block)
@@ -186,20 +198,24 @@ def revert_model(net):
     return net
 
 
-def _synchronize_graph(block, settings):
+def _synchronize_graph(block, settings, kept):
     """Mark every BatchNorm node of a SymbolBlock's graph (contrib's
     SyncBatchNorm nodes made BatchNorm's) that uses batch statistics and
     takes gamma, beta and the running statistics from the block's
     Parameters, each with a layer of its own (a shadow with the
     node's arguments and ``settings``, :meth:`SyncBatchNorm.shadow`), as a
     SyncBatchNorm's trace would; nodes a live layer of the block's
-    Parameters marked already keep their layer. Warns about batch-norm
-    nodes it cannot mark. Returns whether the graph changed."""
+    Parameters marked already keep their layer; nodes whose name ``kept``
+    matches stay per device (:func:`.graphs.keep_per_device`). Warns about
+    batch-norm nodes it cannot mark. Returns whether the graph changed."""
     inputs, symbol = block._cached_graph
     graph = traced.graph_of(symbol)
     params = {p.name: p for p in block.collect_params().values()}
     tokens, left = {}, []
     for node in graph['nodes']:
+        if node['op'] in traced.BATCHNORMS and kept(node['name']):
+            keep_per_device(block, node['name'])
+            continue
         if node['op'] not in traced.MARKABLE + (traced.CONTRIB,):
             if node['op'] in traced.BATCHNORMS:
                 left.append(node['name'])

@@ -36,23 +36,29 @@ synchronize is refused at its first call (a node inside a control-flow
 operator's subgraph or a partitioned graph, parameters computed by
 operators), and so is a CachedOp or a Module made from a synchronizing
 graph outside a block's call (:func:`check_cached_op`,
-:func:`check_module`).
+:func:`check_module`). At a network's first training call that
+synchronizes, its batch-norm layers left per device get one warning
+(:func:`check_network`).
 """
 import contextlib
+import sys
 import threading
+import weakref
 
 import mxnet as mx
 from mxnet.gluon import SymbolBlock
+from mxnet.gluon.nn.basic_layers import _BatchNorm
 
 from . import traced
 from .backends.base import Call, Params
 from .block import SyncBatchNorm, is_sync_batchnorm
-from .errors import SyncBatchNormError
+from .errors import SyncBatchNormError, warn_user
 from .mxnet_private import dtype_name
 
 __all__ = ['blocks_of', 'imperatively', 'layers_of', 'holds_layers', 'run_cached_op',
            'note_placement', 'without_marks', 'check_cached_op', 'check_module', 'Graphs',
-           'Shadows', 'graph_layers', 'graph_batchnorms']
+           'Shadows', 'graph_layers', 'graph_batchnorms', 'keep_per_device',
+           'per_device_batchnorms', 'check_network']
 
 
 # ------------------------------------------------------------ block trees --
@@ -100,7 +106,7 @@ def layers_of(block):
 
 
 def graph_batchnorms(block):
-    """The names of the batch-norm nodes of a SymbolBlock's graph that use
+    """The batch-norm nodes (as JSON) of a SymbolBlock's graph that use
     batch statistics and run as no layer (``nn.BatchNorm``'s nodes no
     ``convert_model`` marked, contrib's SyncBatchNorm); [] for any other
     block."""
@@ -109,7 +115,7 @@ def graph_batchnorms(block):
     graph = traced.graph_of(block._cached_graph[1])
     params = {p.name: p for p in block.collect_params().values()}
     resolved = {index for index, _, _ in graph_layers(block, graph, params)}
-    return [n['name'] for i, n in enumerate(graph['nodes'])
+    return [n for i, n in enumerate(graph['nodes'])
             if i not in resolved and n['op'] in traced.BATCHNORMS
             and not traced.node_kwargs(n)['use_global_stats']]
 
@@ -120,6 +126,82 @@ def holds_layers(block):
     return any(is_sync_batchnorm(b) or (isinstance(b, SymbolBlock) and
                                         traced.has_marks(b._cached_graph[1]))
                for b in blocks_of(block))
+
+
+# ---------------------------------------------- layers left per device --
+
+# The networks check_network saw, each once.
+_checked = weakref.WeakSet()
+_checked_lock = threading.Lock()
+
+
+def keep_per_device(block, name):
+    """Note that the batch-norm layer ``block``, or the node ``name`` of the
+    SymbolBlock ``block``'s graph, normalizes per device on purpose
+    (``convert_model(..., keep=...)``): :func:`check_network` passes it."""
+    block.__dict__.setdefault('_gluon_syncbn_kept', set()).add(name)
+
+
+def per_device_batchnorms(net, num_devices):
+    """What of ``net``'s tree normalizes each device's slice alone where its
+    SyncBatchNorm layers synchronize ``num_devices`` devices, as text for a
+    message: batch-norm blocks (``nn.BatchNorm`` and other ``_BatchNorm``
+    subclasses, contrib's layer with another count) and SymbolBlocks'
+    batch-norm nodes of no layer; neither those using their running
+    statistics in training nor those kept per device."""
+    found = []
+    for block in blocks_of(net):
+        kept = block.__dict__.get('_gluon_syncbn_kept', ())
+        if isinstance(block, SymbolBlock):
+            try:
+                plain = graph_batchnorms(block)
+            except SyncBatchNormError:
+                continue  # a graph refused at its own first call, saying why
+            nodes = ["'%s'" % n['name'] for n in plain if n['name'] not in kept
+                     and int(n.get('attrs', {}).get('ndev', 1)) != num_devices]
+            if nodes:
+                found.append("%s (of SymbolBlock '%s')" % (', '.join(nodes), block.name))
+        elif (isinstance(block, _BatchNorm) and not is_sync_batchnorm(block)
+              and not block._kwargs.get('use_global_stats') and block.name not in kept
+              and block._kwargs.get('ndev') != num_devices):
+            found.append("'%s'" % block.name)
+    return found
+
+
+_BLOCK_CALL = mx.gluon.Block.__call__.__code__
+
+
+def _called_network():
+    """The block of the outermost frame of Gluon's ``Block.__call__`` on
+    this thread's stack: the network the user called; None outside a
+    call."""
+    frame, network = sys._getframe(1), None  # pylint: disable=protected-access
+    while frame is not None:
+        if frame.f_code is _BLOCK_CALL:
+            network = frame.f_locals.get('self', network)
+        frame = frame.f_back
+    return network
+
+
+def check_network(caller, num_devices):
+    """At the first training call that synchronizes ``num_devices`` devices
+    of ``caller`` (a SyncBatchNorm layer, or a block whose graph runs such
+    layers): one warning, once per network (the one the user called), if
+    batch-norm layers there normalize each device's slice alone, naming
+    them and the fix."""
+    network = _called_network() or caller
+    with _checked_lock:
+        if network in _checked:
+            return
+        _checked.add(network)
+    found = per_device_batchnorms(network, num_devices)
+    if found:
+        warn_user(
+            "gluon_syncbn: '%s' trains with SyncBatchNorm layers synchronizing %d devices, "
+            "but its batch-norm layer(s) %s normalize each device's slice alone. "
+            "gluon_syncbn.convert_model(net) synchronizes them (or names those it cannot); "
+            "to keep some per device on purpose, convert_model(net, keep='<a regular "
+            "expression matching their names>')." % (network.name, num_devices, ', '.join(found)))
 
 
 # ------------------------------------------------------------- placements --
@@ -299,6 +381,7 @@ class Graphs(object):
         # calls since their last predict call.
         self.static = {} if static and training is not None else None
         self.trained = set()
+        self.network_checked = False  # check_network, at the first training call
 
     def __deepcopy__(self, memo):
         return None
@@ -478,12 +561,16 @@ def _graphs_for(block, args, training):
 
 def run_cached_op(block, args, call, training, session):
     """``call(block, *args)``, Gluon's run of ``block``'s CachedOp, with the
-    graph of the mode (``training``) bound; a failed step's errors cleared;
+    graph of the mode (``training``) bound; the network checked at its first
+    training call that synchronizes; a failed step's errors cleared;
     the layers' eps and momentum followed;
     a static_shape graph's call stamped or fenced; every device checked to
     feed it one dtype in a step; an empty slice run imperatively."""
     session.separate_this_thread()
     graphs = _graphs_for(block, args, training)
+    if training and graphs.backends and not graphs.network_checked:
+        graphs.network_checked = True
+        check_network(block, graphs.num_devices)
     session.clear_failed_arrays()
     if training:
         for backend in graphs.backends:  # eps and momentum, as the user set them now

@@ -14,6 +14,10 @@
   synchronizing graph outside a block's call is refused (``graphs``).
 * A backward error names our layer only where it is the cause
   (``backward_errors``).
+* A network's first training call that synchronizes is checked for
+  batch-norm layers left per device (``graphs.check_network``), which
+  ``install`` hands the layer for its imperative calls
+  (``block.use_network_check``).
 * A Trainer's first step broadcasts every parameter from device 0, running
   statistics included. In static_shape graphs our operators update those
   inside their calls, which such graphs hold as read-only inputs, so the
@@ -40,7 +44,7 @@ import mxnet as mx
 
 from . import graphs, messages, transport
 from .backward_errors import as_ours
-from .block import deepcopy_as_default, refuse_copy_of_graph
+from .block import deepcopy_as_default, refuse_copy_of_graph, use_network_check
 from .errors import SyncBatchNormError, ours_behind
 from .session import SESSION
 
@@ -343,6 +347,7 @@ def install():
     install_trainer_hook(mx.gluon.Trainer, SESSION, mx.nd.waitall)
     install_read_hooks(mx.nd.NDArray, (mx.nd, mx.nd.ndarray), SESSION)
     transport.use_patches(install_exit_guard, wrap_kvstore)
+    use_network_check(graphs.check_network)
 
 
 # ------------------------------------------ Python's exit and a user's kvstore --

@@ -107,9 +107,12 @@ The layer's base (``block.SyncBatchNorm``, ``convert.py``)
     has data (``precise_bn``, which refuses layers without running
     statistics).
     ``nn.BatchNormReLU`` and other batch-norm blocks are found as subclasses
-    of Gluon's private ``_BatchNorm``. A shadow layer (``SyncBatchNorm.shadow``)
-    adopts a block's Parameters through ``Block._reg_params`` and
-    ``ParameterDict._params``. A native operator's backward node
+    of Gluon's private ``_BatchNorm``, contrib's layer by its ``_kwargs``'
+    ``ndev``. A shadow layer (``SyncBatchNorm.shadow``), and a layer
+    ``convert_model`` makes, adopts another's Parameters through
+    ``Block._reg_params`` and ``ParameterDict._params``. The network a user
+    called is the ``self`` of the outermost frame of ``Block.__call__``
+    (``graphs._called_network``), which every block's call goes through. A native operator's backward node
     refuses its own gradient (``FGradient``, ``sync_call.h``
     no_higher_order), reading the layer from its forward node, the backward
     node's control dependency, where MXNet keeps it.

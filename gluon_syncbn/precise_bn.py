@@ -203,7 +203,7 @@ def _batchnorm_layers(net):
     their shadows: see ``graphs``). A SymbolBlock's BatchNorm operators of
     no layer cannot be tallied: an error names them."""
     for block in blocks_of(net):
-        plain = graph_batchnorms(block)
+        plain = [n['name'] for n in graph_batchnorms(block)]
         if plain:
             raise SyncBatchNormError(
                 "%s: '%s' is a SymbolBlock whose graph holds BatchNorm operator(s) %s of no "

@@ -441,9 +441,17 @@ REFUSED = {
 }
 
 
+# SyncBatchNorm beside batch-norm layers that normalize per device
+# (scenarios.convert.mixed_network), in the same processes.
+MIXED = [dict(hybridize=False), dict(hybridize='static'),
+         dict(hybridize=True, keep='mixed_plain|node_bn')]
+MIXED_IDS = ['imperative', 'static_shape', 'hybridized-kept']
+
+
 @pytest.fixture(scope='module', params=OPERATOR_PATHS)
 def refused(request):
-    return run_batch([('refused_graph', dict(case=c)) for c in REFUSED], timeout=200,
+    return run_batch([('refused_graph', dict(case=c)) for c in REFUSED] +
+                     [('mixed_network', case) for case in MIXED], timeout=200,
                      env=PATHS[request.param])
 
 
@@ -453,3 +461,46 @@ def test_a_graph_that_cannot_synchronize_is_refused_at_once(refused, case):
     assert r['type'] == 'SyncBatchNormError', r
     assert re.search(REFUSED[case], r['message']), r
     assert r['seconds'] < 5, r  # no device waited for the layers' 30 s timeout
+
+
+@pytest.mark.parametrize('case', MIXED, ids=MIXED_IDS)
+def test_layers_left_per_device_are_named_once_at_the_first_training_step(refused, case):
+    """A network on 2 contexts whose SyncBatchNorm layers synchronize beside
+    layers that normalize per device: one warning, at its first training
+    step (not at a predict call before), naming them (not the one using
+    global statistics) and the fix; none where convert_model converted the
+    others and kept those named by keep=, which stay per device."""
+    r = result_of(refused, len(REFUSED) + MIXED.index(case))
+    if case.get('keep'):
+        assert r['warnings'] == [] and r['differ'] == ['mixed_plain', 'node_bn'], r
+        return
+    assert r['when'] == ['step 0'], r
+    assert re.match(r"gluon_syncbn: 'mixed' trains with SyncBatchNorm layers synchronizing 2 "
+                    r"devices, but its batch-norm layer\(s\) 'mixed_plain', 'mixed_contrib', "
+                    r"'node_bn' \(of SymbolBlock 'symbolblock\d+'\) normalize each device's slice "
+                    r"alone\. gluon_syncbn\.convert_model\(net\) synchronizes them \(or names "
+                    r"those it cannot\); to keep some per device on purpose, "
+                    r"convert_model\(net, keep='<a regular expression matching their names>'\)\.$",
+                    r['warnings'][0]), r
+    assert r['differ'] == ['mixed_contrib', 'mixed_plain', 'node_bn'], r
+
+
+def test_what_normalizes_per_device_beside_synchronized_layers():
+    """Named: nn.BatchNorm, a user's subclass, contrib's layer or node for
+    another number of devices, a SymbolBlock's BatchNorm node; not: ours,
+    layers and nodes using global statistics, contrib's for as many devices
+    as ours synchronize."""
+    from gluon_syncbn.graphs import per_device_batchnorms
+    net = gluon.nn.HybridSequential(prefix='net_')
+    with net.name_scope():
+        net.add(SyncBatchNorm(), gluon.nn.BatchNorm(), _OwnBatchNorm(),
+                gluon.nn.BatchNorm(use_global_stats=True),
+                gluon.contrib.nn.SyncBatchNorm(num_devices=2),
+                gluon.contrib.nn.SyncBatchNorm(num_devices=4))
+    data = mx.sym.var('data')
+    net.add(gluon.SymbolBlock([mx.sym.BatchNorm(data, name='bn'),
+                               mx.sym.BatchNorm(data, name='global', use_global_stats=True),
+                               mx.sym.contrib.SyncBatchNorm(data, name='contrib2', key='2', ndev=2),
+                               mx.sym.contrib.SyncBatchNorm(data, name='contrib1', key='1')], data))
+    assert per_device_batchnorms(net, 2) == ["'%s'" % net[i].name for i in (1, 2, 5)] + [
+        "'bn', 'contrib1' (of SymbolBlock '%s')" % net[6].name]

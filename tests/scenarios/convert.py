@@ -14,7 +14,7 @@ from mxnet import autograd, gluon
 from gluon_syncbn import SyncBatchNorm
 from tests.reference import WorstErrors, batchnorm_float64, max_rel_err, worst
 from tests.scenarios import (_BNStack, _blocks, _capture, _compare_step, _graph_step, _hybridize,
-                             _ready, _set_weights, _two_layers_float64, _values, contexts,
+                             _ready, _set_weights, _step, _two_layers_float64, _values, contexts,
                              scenario, split_batch)
 
 
@@ -350,6 +350,55 @@ def frozen_network(freeze='before', hybridize=True, sizes=(3, 2, 2), seed=0):
     result['operator'] = net[0]._sync_backend.name
     result.update(errs)
     return result
+
+
+def _mixed_network():
+    """SyncBatchNorm beside batch-norm layers that normalize per device:
+    nn.BatchNorm, contrib's layer for 1 device, a SymbolBlock's BatchNorm
+    node, and one that does not normalize over the batch (global
+    statistics)."""
+    net = gluon.nn.HybridSequential(prefix='mixed_')
+    with net.name_scope():
+        net.add(SyncBatchNorm(in_channels=3, timeout=60, prefix='sync_'),
+                gluon.nn.BatchNorm(in_channels=3, prefix='plain_'),
+                gluon.nn.BatchNorm(in_channels=3, use_global_stats=True, prefix='global_'),
+                gluon.contrib.nn.SyncBatchNorm(in_channels=3, num_devices=1, prefix='contrib_'))
+    data = mx.sym.var('data')
+    net.add(gluon.SymbolBlock(mx.sym.BatchNorm(data, name='node_bn', fix_gamma=False), data))
+    return net
+
+
+@scenario
+def mixed_network(hybridize=False, keep=None, seed=0):
+    """:func:`_mixed_network` on 2 contexts, ``convert_model(net, keep=keep)``
+    first where ``keep`` is given, two training steps: gluon_syncbn's
+    warnings and when they came, and the layers whose running statistics
+    differ between the devices."""
+    import warnings as warnings_
+    from gluon_syncbn import convert_model
+    rng = np.random.RandomState(seed)
+    ctxs = contexts(2)
+    net = _mixed_network()
+    with warnings_.catch_warnings(record=True) as caught:
+        warnings_.simplefilter('always')
+        if keep:
+            convert_model(net, timeout=60, keep=keep)
+        net.initialize(ctx=ctxs)
+        _hybridize(net, hybridize)
+        with autograd.predict_mode():
+            net(mx.nd.ones((1, 3, 2, 2), ctx=ctxs[0]))
+        when = ['predict'] * len(caught)
+        for step in range(2):
+            x = (rng.randn(4, 3, 2, 2) + 1e3).astype(np.float32)
+            _step(net, [mx.nd.array(p, ctx=c) for p, c in zip(split_batch(x, [1, 3]), ctxs)])
+            when += ['step %d' % step] * (len(caught) - len(when))
+    mine = [(w, str(c.message)) for w, c in zip(when, caught) if 'gluon_syncbn' in str(c.message)
+            or 'convert_model' in str(c.message)]
+    return {'warnings': [m for _, m in mine], 'when': [w for w, _ in mine],
+            'differ': sorted(n.rsplit('_', 2)[0] for n, p in net.collect_params().items()
+                             if n.endswith('running_mean') or n.endswith('moving_mean')
+                             if not np.array_equal(p.data(ctxs[0]).asnumpy(),
+                                                   p.data(ctxs[1]).asnumpy()))}
 
 
 @scenario
