@@ -26,8 +26,9 @@ import mxnet as mx  # noqa: E402
 from mxnet import autograd, gluon  # noqa: E402
 
 from gluon_syncbn import SyncBatchNorm, convert_model  # noqa: E402
-from tests.reference import (WorstErrors, grouped_batchnorm_float64,  # noqa: E402
-                             max_rel_err, max_rel_err_where_finite)
+from tests.reference import (WorstErrors, fold_running,  # noqa: E402
+                             grouped_batchnorm_float64, max_rel_err, max_rel_err_where_finite,
+                             update_order)
 from tests.scenarios import copy_params, split_batch  # noqa: E402
 from tests.scenarios.networks import build  # noqa: E402
 
@@ -136,9 +137,10 @@ def layer(backend, devices, sizes, shape=(3, 4, 5), axis=1, steps=2, hybridize=F
     return dict(errs, rank=worker.rank, operator=bn._sync_backend.name)
 
 
-# What the data does in each step of `moves`: the offsets of its two calls'
-# inputs (one per channel, or one for all), the head gradients' offset, and
-# what one value of the first call is instead.
+# What the data does in each step of `moves`: the offsets of its first two
+# calls' inputs (one per channel, or one for all; a third call's is their
+# midpoint), the head gradients' offset, and what one value of the first
+# call is instead.
 MOVES = [
     (0.0, 100.0, 0.0, None),                      # a real and a fake batch, 50 std apart
     (1e4, 1e4 + 100.0, 1e4, None),                # a jump of 5e3 std; heads far from zero
@@ -153,17 +155,21 @@ MOVES = [
 ]
 
 
-def moves(backend, devices, sizes, hybridize=False, seed=0, run_ahead=True, heads=True):
+def moves(backend, devices, sizes, hybridize=False, seed=0, run_ahead=True, heads=True,
+          calls=2):
     """The layer on data that moves between calls (:data:`MOVES`), called
-    twice per step (a GAN discriminator's real and fake batches), against
+    ``calls`` times per step (1 to 3: a GAN discriminator's real and fake
+    batches), the outputs to one backward the last call's first, against
     float64 maths on each call's global batch: every output, input and
-    parameter gradient and running statistic, also in the steps after a NaN
-    and an outlier. Where a NaN made the reference's numbers NaN, ours must
-    not be finite either. ``run_ahead``: nothing is read until every step is
-    issued (then gamma's and beta's gradients, which each step overwrites,
-    only for the last step). ``heads``: the head gradients' offsets too (the
-    GPU path's backward sums them on the device in float32, as nn.BatchNorm
-    does: at 1e4 from zero that is 6e-4 of their spread, in one process too)."""
+    parameter gradient and running statistic (the calls folded in as MXNet's
+    BatchNorm does on CPU contexts, :func:`tests.reference.update_order`),
+    also in the steps after a NaN and an outlier. Where a NaN made the
+    reference's numbers NaN, ours must not be finite either. ``run_ahead``:
+    nothing is read until every step is issued (then gamma's and beta's
+    gradients, which each step overwrites, only for the last step).
+    ``heads``: the head gradients' offsets too (the GPU path's backward sums
+    them on the device in float32, as nn.BatchNorm does: at 1e4 from zero
+    that is 6e-4 of their spread, in one process too)."""
     worker = Worker(backend, devices, sizes)
     rng = np.random.RandomState(seed)
     full, channels = (int(sum(sizes)), 3, 4, 5), 3
@@ -172,37 +178,42 @@ def moves(backend, devices, sizes, hybridize=False, seed=0, run_ahead=True, head
     errs = WorstErrors()
     run = {i: (np.zeros(channels), np.ones(channels)) for i in worker.mine}
     groups = [list(range(len(sizes)))]
+    order = update_order(calls, hybridize, reverse=True)
     issued = []
     for step, (offset_a, offset_b, head, odd) in enumerate(MOVES):
-        calls = []
-        for offset in (offset_a, offset_b):
-            x = rng.randn(*full) * 2 + np.asarray(offset, np.float64).reshape(-1, 1, 1)
-            if offset is offset_a and odd is not None:
+        offsets = [np.asarray(o, np.float64) for o in (offset_a, offset_b)]
+        offsets = (offsets + [(offsets[0] + offsets[1]) / 2])[:calls]
+        batches = []
+        for k, offset in enumerate(offsets):
+            x = rng.randn(*full) * 2 + offset.reshape(-1, 1, 1)
+            if k == 0 and odd is not None:
                 x[0, 0 if odd != odd else 1, 0, 0] = odd  # NaN: channel 0; else channel 1
             dy = rng.randn(*full) + (head if heads else 0.0)
-            calls.append((x.astype(np.float32), dy.astype(np.float32)))
-        xs = [worker.slices(x) for x, _ in calls]
+            batches.append((x.astype(np.float32), dy.astype(np.float32)))
+        xs = [worker.slices(x) for x, _ in batches]
         for a in sum(xs, []):
             a.attach_grad()
         with autograd.record():
             ys = [[bn(a) for a in call] for call in xs]
-        autograd.backward(sum(ys, []), sum([worker.slices(dy) for _, dy in calls], []))
+        dys = [worker.slices(dy) for _, dy in batches]
+        autograd.backward(sum(ys[::-1], []), sum(dys[::-1], []))
         refs = [grouped_batchnorm_float64(split_batch(x, sizes), split_batch(dy, sizes), groups,
-                                          gamma, beta) for x, dy in calls]
+                                          gamma, beta) for x, dy in batches]
         issued.append((ys, xs, refs))
         if run_ahead and step < len(MOVES) - 1:
             continue
         for ys, xs, refs in issued:
+            for i in worker.mine:
+                run[i] = fold_running(run[i], [ref[i][4:] for ref in refs], order)
             for call_ys, call_xs, ref in zip(ys, xs, refs):
                 for i, y, a in zip(worker.mine, call_ys, call_xs):
-                    y64, dx64, _, _, mean64, var64 = ref[i]
-                    run[i] = (run[i][0] * 0.9 + mean64 * 0.1, run[i][1] * 0.9 + var64 * 0.1)
+                    y64, dx64 = ref[i][:2]
                     errs.note('y', y.asnumpy(), y64, max_rel_err_where_finite)
                     errs.note('dx', a.grad.asnumpy(), dx64, max_rel_err_where_finite)
-        for i, c in zip(worker.mine, worker.ctxs):  # both calls' shares of this step's sums
-            errs.note('dgamma', bn.gamma.grad(c).asnumpy(),
-                      refs[0][i][2] + refs[1][i][2], max_rel_err_where_finite)
-            errs.note('dbeta', bn.beta.grad(c).asnumpy(), refs[0][i][3] + refs[1][i][3],
+        for i, c in zip(worker.mine, worker.ctxs):  # every call's share of this step's sums
+            errs.note('dgamma', bn.gamma.grad(c).asnumpy(), sum(ref[i][2] for ref in refs),
+                      max_rel_err_where_finite)
+            errs.note('dbeta', bn.beta.grad(c).asnumpy(), sum(ref[i][3] for ref in refs),
                       max_rel_err_where_finite)
             errs.note('running_mean', bn.running_mean.data(c).asnumpy(), run[i][0],
                       max_rel_err_where_finite)

@@ -3,6 +3,10 @@
 Each case compares output, input gradient, gamma/beta gradients (summed over
 devices) and running statistics after 3 steps with float64 NumPy maths on the
 same input, and (float32, no offset) with gluon.nn.BatchNorm on one context.
+With 2 or 3 calls per step, on data 1e3 and more from zero, the running
+statistics fold the calls in as MXNet's BatchNorm does on the devices' kind:
+on CPU contexts at each backward call, as nn.BatchNorm on one context (also
+compared), on the GPUs' copying path at each forward call, in call order.
 All cases run in one subprocess per code path (the native asynchronous
 operator, and the exchange operator on the path GPUs take, in place and
 copying as on a GPU, see conftest.PATHS) with a hard deadline.
@@ -62,6 +66,17 @@ CASES = {
                             numpy_mode=True),
     'N2-numpy-float64-hybrid': dict(shape=[6, 3, 4, 5], sizes=[2, 4], dtype='float64',
                                     hybridize=True, numpy_mode=True),
+    # a layer called 2 or 3 times per step (a GAN discriminator, siamese branches)
+    # (outputs to backward in call order, or the last call's first)
+    'N3-2calls-offset-1e3': dict(shape=[7, 3, 4, 5], sizes=[3, 2, 2], offset=1e3, calls=2,
+                                 reverse=True),
+    'N3-3calls-offset-1e3': dict(shape=[7, 3, 4, 5], sizes=[1, 2, 4], offset=1e3, calls=3),
+    'N2-2calls-offset-1e3-hybrid': dict(shape=[6, 3, 4, 5], sizes=[2, 4], offset=1e3, calls=2,
+                                        hybridize=True, reverse=True),
+    'N2-3calls-offset-1e3-static': dict(shape=[6, 3, 4, 5], sizes=[4, 2], offset=1e3, calls=3,
+                                        hybridize='static'),
+    'N2-3calls-offset-1e3-hybrid-reversed': dict(shape=[6, 3, 4, 5], sizes=[3, 3], offset=1e3,
+                                                 calls=3, hybridize=True, reverse=True),
 }
 IDS = list(CASES)
 
@@ -95,6 +110,15 @@ def test_numpy_mode_returns_numpy_arrays(results):
 def test_each_path_runs_its_operator(results, case, request):
     path = request.node.callspec.params['results']
     assert result_of(results, IDS.index(case))['operator'] == PATH_OPERATOR[path]
+
+
+@pytest.mark.parametrize('case', [c for c in IDS if CASES[c].get('calls', 1) > 1])
+def test_several_calls_per_step_were_compared_with_nn_batchnorm(results, case, request):
+    # nn.BatchNorm folds at backward, CPU's rule: the reference wherever the
+    # devices' rule folds alike (on the GPUs' path 3 calls fold otherwise)
+    cpu_rule = request.node.callspec.params['results'] != 'exchange-device'
+    errs = result_of(results, IDS.index(case))
+    assert ('running_mean_vs_nn' in errs) == cpu_rule, errs
 
 
 def test_float32_cases_were_compared_with_nn_batchnorm(results):

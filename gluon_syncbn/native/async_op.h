@@ -7,10 +7,17 @@
 // slot. The protocol of a call is SyncCall's (sync_call.h); this operator
 // supplies what it sends and how it finishes:
 //
-//   forward:  x, gamma, beta, running mean/var (mutated) -> y
-//             this slice's FORWARD vector; then the running statistics and y
-//   backward: dy, x, gamma -> dx, d gamma, d beta
-//             this slice's BACKWARD sums; then the gradients
+//   forward:  x, gamma, beta, running mean/var (mutable, as BatchNorm's
+//             auxiliary states; read in predict mode only) -> y
+//             this slice's FORWARD vector; then y
+//   backward: dy, x, gamma, running mean/var (mutated) -> dx, d gamma, d beta
+//             this slice's BACKWARD sums; then the gradients and the running
+//             statistics
+//
+// The running statistics take each call's global statistics in its backward
+// call, as MXNet's CPU BatchNorm does (batch_norm.cc, BatchNormBackwardImpl;
+// MKL-DNN's, MKLDNNBatchNormBackwardImpl): in the order MXNet runs the
+// backward calls, and not at all for a call whose backward never runs.
 //
 // The maths are stats.h's, in float64 on arrays read and written as the
 // dtypes they have (float16, bfloat16, float32, float64: arrays.h), so no
@@ -44,7 +51,7 @@ struct AsyncForward : SyncCall {
 
 struct AsyncBackward : SyncCall {
   using SyncCall::SyncCall;
-  Array dy, x, gamma, dx, dgamma, dbeta;
+  Array dy, x, gamma, rmean, rvar, dx, dgamma, dbeta;
   std::array<int, 3> reqs;
   Layout l;
   std::vector<double> sum_dy, sum_dy_xc;
@@ -77,7 +84,6 @@ void async_forward(const mxnet::OpStatePtr& state, const mxnet::OpContext& ctx,
   c->exchange_forward(contribution, [c](const Info& stats) {
     c->finish_on(c->x.size(), [c, stats]() {
       const Params& p = c->node.params;
-      update_running(p, c->rmean, c->rvar, stats);  // mutable inputs: ours to write
       if (p.fix_gamma) fill(c->gamma, 1.0);  // as nn.BatchNorm's training forward leaves it
       normalize(p, c->l, c->x, c->gamma, c->beta, stats, c->y, c->write);
       c->complete();
@@ -94,6 +100,8 @@ void async_backward(const mxnet::OpStatePtr& state, const mxnet::OpContext& ctx,
   c->dy = array_of(dy_nd);
   c->x = array_of(x_nd);
   c->gamma = array_of(in[2]);
+  c->rmean = array_of(in[3]);
+  c->rvar = array_of(in[4]);
   c->dx = array_of(out[0]);
   c->dgamma = array_of(out[1]);
   c->dbeta = array_of(out[2]);
@@ -102,12 +110,13 @@ void async_backward(const mxnet::OpStatePtr& state, const mxnet::OpContext& ctx,
   c->l = Layout(c->x.shape, c->node.params.axis);
   backward_sums(c->l, c->dy, c->x, c->stats, &c->sum_dy, &c->sum_dy_xc);
   if (!c->current()) return;
-  c->keep = {dy_nd, x_nd, in[2], out[0], out[1], out[2]};
+  c->keep = {dy_nd, x_nd, in[2], in[3], in[4], out[0], out[1], out[2]};
   c->exchange_backward(pack_backward(c->sum_dy, c->sum_dy_xc),
                        [c](const std::vector<double>& total) {
     c->finish_on(c->x.size(), [c, total]() {
       write_gradients(c->node.params, c->l, c->dy, c->x, c->gamma, c->stats, total, c->sum_dy,
                       c->sum_dy_xc, c->dx, c->dgamma, c->dbeta, c->reqs.data());
+      update_running(c->node.params, c->rmean, c->rvar, c->stats);  // mutable inputs
       c->complete();
     });
   });
@@ -141,15 +150,16 @@ std::vector<std::string> async_input_names(const nnvm::NodeAttrs&) {
   return {"data", "gamma", "beta", "running_mean", "running_var"};
 }
 
+// The running statistics: the forward's inputs 3 and 4, the backward's too.
 std::vector<uint32_t> async_mutated(const nnvm::NodeAttrs&) { return {3, 4}; }
 
-// Backward node: dy, x, gamma in; d x, d gamma, d beta out; the running
-// statistics get no gradient (as nn.BatchNorm's).
+// Backward node: dy, x, gamma and the running statistics in; d x, d gamma,
+// d beta out; the running statistics get no gradient (as nn.BatchNorm's).
 std::vector<nnvm::NodeEntry> async_gradient(const nnvm::ObjectPtr& node,
                                             const std::vector<nnvm::NodeEntry>& out_grads) {
   const auto& inputs = node_inputs(node);
-  nnvm::ObjectPtr grad = make_node(ASYNC_BACKWARD_OP, {out_grads[0], inputs[0], inputs[1]},
-                                   {node});
+  nnvm::ObjectPtr grad = make_node(
+      ASYNC_BACKWARD_OP, {out_grads[0], inputs[0], inputs[1], inputs[3], inputs[4]}, {node});
   nnvm::ObjectPtr none = make_node("_NoGradient", {}, {});
   return {nnvm::NodeEntry(grad, 0, 0), nnvm::NodeEntry(grad, 1, 0),
           nnvm::NodeEntry(grad, 2, 0), nnvm::NodeEntry(none, 0, 0),
@@ -171,7 +181,8 @@ void register_async_op() {
   set_attr<bool>(fwd, "TIsMKLDNN", true);  // inputs as they are: plain() reorders
   set_attr<mxnet::FStatefulComputeEx>(fwd, "FStatefulComputeEx<cpu>", OLD_ABI(async_forward));
   set_attr<nnvm::FGradient>(fwd, "FGradient", OLD_ABI(async_gradient));
-  nnvm::Op* bwd = register_backward(ASYNC_BACKWARD_OP, 3, 3);
+  nnvm::Op* bwd = register_backward(ASYNC_BACKWARD_OP, 5, 3);
+  set_attr<nnvm::FMutateInputs>(bwd, "FMutateInputs", OLD_ABI(async_mutated));
   set_attr<bool>(bwd, "TIsMKLDNN", true);
   set_attr<mxnet::FStatefulComputeEx>(bwd, "FStatefulComputeEx<cpu>", OLD_ABI(async_backward));
 }

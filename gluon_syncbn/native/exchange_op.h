@@ -9,7 +9,8 @@
 //             and variance (mutated), data (its shape only)
 //             -> scale, shift, each shaped like m1: the block computes
 //             (data - m1) * scale + shift
-//   backward: d scale, d shift -> d m2, d v, d gamma, d beta
+//   backward: d scale, d shift, running mean and variance (mutated)
+//             -> d m2, d v, d gamma, d beta
 //
 // One call reads its per-channel vectors from the device in one batch of
 // copies, meets the other devices' calls (session.h, meet_async), and each
@@ -19,12 +20,19 @@
 // call and direction (device_copies.h; on CPU contexts the arrays are read
 // and written in place). The protocol of a call is SyncCall's (sync_call.h).
 //
-// The running statistics are the call's mutable inputs. Only this operator
-// writes them in a training graph, and MXNet runs a layer's calls on a device
-// one after another (their states share the layer's engine variable,
-// sync_call.h), so the update is in order however far the main thread runs
-// ahead, also in static_shape graphs, whose executor holds them as read-only
-// inputs of the call (as the asynchronous operator's update).
+// The running statistics are mutable inputs of both calls, and one of them
+// updates them with the call's global statistics, where MXNet's BatchNorm
+// on that kind of device does: on GPUs the forward call, in call order, as
+// cuDNN's training forward (cudnnBatchNormalizationForwardTraining, which
+// takes the moving averages; MXNet's GPU BatchNorm runs it for every
+// training call: batch_norm.cu, BatchNormCompute<gpu>); on CPU contexts
+// (the argument running_update=backward) the backward call, as MXNet's CPU
+// BatchNorm (async_op.h). Only this operator writes them in a training
+// graph, and MXNet runs a layer's calls on a device one after another (their
+// states share the layer's engine variable, sync_call.h), so the update is in
+// order however far the main thread runs ahead, also in static_shape graphs,
+// whose executor holds them as read-only inputs of the call (as the
+// asynchronous operator's update).
 //
 // The forward's m1, local mean, gamma and count stay in the state, with its
 // global statistics, for the backward call.
@@ -49,7 +57,7 @@ const char* EXCHANGE_BACKWARD_OP = "_backward_gluon_syncbn_exchange";
 
 // Inputs, in order, and the forward's and backward's host staging slots.
 enum { kM1, kM2, kV, kGamma, kBeta, kRunningMean, kRunningVar, kData, kInputs };
-enum { kForwardIn = 0, kForwardOut = 7, kBackwardIn = 9, kBackwardOut = 11 };
+enum { kForwardIn = 0, kForwardOut = 7, kBackwardIn = 9, kBackwardOut = 13 };
 
 // Turns off the engine's bulking on this thread for its scope. A thread
 // inside a bulked segment (the main thread running a graph, where this
@@ -201,8 +209,8 @@ struct ExchangeForward : ExchangeCall {
   bool train = false;
 };
 
-// Scale and shift (and in training the running statistics' update) into
-// the images, then written back.
+// Scale and shift (and in training on GPUs the running statistics' update)
+// into the images, then written back.
 void finish_forward(const std::shared_ptr<ExchangeForward>& c, const std::vector<double>& m1,
                     const std::vector<double>& gamma, const std::vector<double>& beta,
                     const Info& stats) {
@@ -213,9 +221,9 @@ void finish_forward(const std::shared_ptr<ExchangeForward>& c, const std::vector
     put(c->images[0], ch, scale[ch], 1);
     put(c->images[1], ch, shift[ch], 1);
   }
-  if (c->train) update_running(p, c->images[2], c->images[3], stats);
-  if (c->train && p.fix_gamma)  // as nn.BatchNorm's training forward leaves it
-    for (size_t ch = 0; ch < scale.size(); ++ch) put(c->images[4], ch, 1.0, 1);
+  if (c->train && !p.running_at_backward) update_running(p, c->images[2], c->images[3], stats);
+  if (c->train && p.fix_gamma)  // as nn.BatchNorm's training forward leaves it: the last image
+    for (size_t ch = 0; ch < scale.size(); ++ch) put(c->images.back(), ch, 1.0, 1);
   c->finish();
 }
 
@@ -241,7 +249,7 @@ void exchange_op_forward(const mxnet::OpStatePtr& state, const mxnet::OpContext&
                       gamma = values(h[kGamma]), beta = values(h[kBeta]);
   c->written = {out[0], out[1]};
   if (!c->copies.images(c->written, kForwardOut, &c->images, &error)) return c->fail_call(error);
-  if (c->train) {
+  if (c->train && !c->node.params.running_at_backward) {
     c->written.insert(c->written.end(), {reads[kRunningMean], reads[kRunningVar]});
     c->images.insert(c->images.end(), {h[kRunningMean], h[kRunningVar]});
   }
@@ -271,7 +279,9 @@ struct ExchangeBackward : ExchangeCall {
   std::vector<int> outputs, reqs;  // the outputs written (their indices) and how
 };
 
-// Inputs: d scale, d shift; outputs: d m2, d v, d gamma, d beta.
+// Inputs: d scale, d shift, running mean and variance; outputs: d m2, d v,
+// d gamma, d beta, and on CPU contexts the running statistics' update (the
+// images after the outputs').
 void exchange_op_backward(const mxnet::OpStatePtr& state, const mxnet::OpContext& ctx,
                           const std::vector<mxnet::NDArray>& in,
                           const std::vector<mxnet::OpReqType>& req,
@@ -280,9 +290,12 @@ void exchange_op_backward(const mxnet::OpStatePtr& state, const mxnet::OpContext
   auto c = std::make_shared<ExchangeBackward>(state, ctx, in[0].ctx());
   if (!c->has_forward(in[0].dtype())) return;
   if (!c->current()) return;
+  const bool update = c->node.params.running_at_backward;
+  std::vector<mxnet::NDArray> reads = {in[0], in[1]};
+  if (update) reads.insert(reads.end(), {in[2], in[3]});
   std::vector<Array> h;
   std::string error;
-  if (!c->copies.read({in[0], in[1]}, kBackwardIn, &h, &error)) return c->fail_call(error);
+  if (!c->copies.read(reads, kBackwardIn, &h, &error)) return c->fail_call(error);
   std::vector<double> d_scale = values(h[0]), d_shift = values(h[1]);
   for (size_t i = 0; i < out.size(); ++i) {
     if (req[i] == kNull) continue;
@@ -294,11 +307,15 @@ void exchange_op_backward(const mxnet::OpStatePtr& state, const mxnet::OpContext
   if (!(adds ? c->copies.read(c->written, kBackwardOut, &c->images, &error)
              : c->copies.images(c->written, kBackwardOut, &c->images, &error)))
     return c->fail_call(error);
+  if (update) {
+    c->written.insert(c->written.end(), {in[2], in[3]});
+    c->images.insert(c->images.end(), {h[2], h[3]});
+  }
   std::vector<double> gamma = c->state.gamma, inv_stds, d_gamma;
   std::vector<double> contribution =
       backward_contribution(c->node.params, c->stats, c->state.m1, c->state.count, &gamma,
                             &d_scale, &d_shift, &inv_stds, &d_gamma);
-  c->keep = {in[0], in[1]};
+  c->keep = reads;
   c->keep.insert(c->keep.end(), out.begin(), out.end());
   c->exchange_backward(contribution, [=](const std::vector<double>& total) {
     c->finish_on_device([=]() {
@@ -309,6 +326,10 @@ void exchange_op_backward(const mxnet::OpStatePtr& state, const mxnet::OpContext
       for (size_t k = 0; k < c->outputs.size(); ++k)
         for (size_t ch = 0; ch < d_m2.size(); ++ch)
           put(c->images[k], ch, (*grads[c->outputs[k]])[ch], c->reqs[k]);
+      if (update) {
+        const size_t n = c->outputs.size();
+        update_running(c->node.params, c->images[n], c->images[n + 1], c->stats);
+      }
       c->finish();
     });
   });
@@ -359,13 +380,20 @@ std::vector<uint32_t> exchange_mutated(const nnvm::NodeAttrs&) {
   return {kRunningMean, kRunningVar};
 }
 
+// The backward node's running statistics (its inputs 2 and 3), mutable
+// whichever call updates them: the rule is the forward's argument, and a
+// backward node has no arguments of its own.
+std::vector<uint32_t> exchange_backward_mutated(const nnvm::NodeAttrs&) { return {2, 3}; }
+
 // The backward node's four outputs go to m2, v, gamma and beta; m1 is a
 // constant (BlockGrad in backends/vector_graph.py's graph), data was read for its shape only, the
 // running statistics get none.
 std::vector<nnvm::NodeEntry> exchange_gradient(const nnvm::ObjectPtr& node,
                                                const std::vector<nnvm::NodeEntry>& out_grads) {
   const auto& inputs = node_inputs(node);
-  nnvm::ObjectPtr grad = make_node(EXCHANGE_BACKWARD_OP, {out_grads[0], out_grads[1]}, {node});
+  nnvm::ObjectPtr grad = make_node(
+      EXCHANGE_BACKWARD_OP,
+      {out_grads[0], out_grads[1], inputs[kRunningMean], inputs[kRunningVar]}, {node});
   nnvm::ObjectPtr none = make_node("_NoGradient", {}, {});
   std::vector<nnvm::NodeEntry> out(kInputs, nnvm::NodeEntry(none, 0, 0));
   out[kM1] = nnvm::NodeEntry(make_node("zeros_like", {inputs[kM1]}, {}), 0, 0);
@@ -397,7 +425,9 @@ void register_exchange_op() {
   set_attr<mxnet::FExecType>(fwd, "FExecType", OLD_ABI(async_exec));
   set_compute(fwd, OLD_ABI(exchange_op_forward));
   set_attr<nnvm::FGradient>(fwd, "FGradient", OLD_ABI(exchange_gradient));
-  set_compute(register_backward(EXCHANGE_BACKWARD_OP, 2, 4), OLD_ABI(exchange_op_backward));
+  nnvm::Op* bwd = register_backward(EXCHANGE_BACKWARD_OP, 4, 4);
+  set_attr<nnvm::FMutateInputs>(bwd, "FMutateInputs", OLD_ABI(exchange_backward_mutated));
+  set_compute(bwd, OLD_ABI(exchange_op_backward));
 }
 
 }  // namespace

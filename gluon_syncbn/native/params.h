@@ -15,12 +15,14 @@ LayerKey layer_key(const LayerId& layer, int device) { return LayerKey(layer, de
 
 // The operator's string arguments, as the block passes them; eps and
 // momentum are the layer's when a forward call starts (SyncCall,
-// take_arguments).
+// take_arguments). running_at_backward: the exchange operator updates the
+// running statistics in its backward call (CPU contexts), not its forward
+// (GPUs).
 struct Params {
   LayerId layer_id = 0;
   std::string dtype_name = "float32";
   double eps = 1e-5, momentum = 0.9;
-  bool fix_gamma = false, static_shape = false;
+  bool fix_gamma = false, static_shape = false, running_at_backward = false;
   int axis = 1;
 };
 
@@ -30,6 +32,7 @@ void set_param(Params* p, const std::string& key, const std::string& value) {
   if (key == "layer") p->layer_id = std::stoll(value);
   else if (key == "fix_gamma") p->fix_gamma = yes;
   else if (key == "static_shape") p->static_shape = yes;
+  else if (key == "running_update") p->running_at_backward = value == "backward";
   else if (key == "axis") p->axis = std::stoi(value);
   else if (key == "input_dtype") p->dtype_name = value;
 }

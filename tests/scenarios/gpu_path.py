@@ -13,7 +13,7 @@ from mxnet import autograd, gluon
 
 from gluon_syncbn import SyncBatchNorm
 from tests import native_testing
-from tests.reference import WorstErrors, batchnorm_float64
+from tests.reference import WorstErrors, batchnorm_float64, fold_running, update_order
 from tests.scenarios import (_capture, _fault_net, _random_pass, _recovery_error, _step, contexts,
                              scenario, split_batch)
 
@@ -67,34 +67,54 @@ class _TwoLayerNet(gluon.HybridBlock):
         return self.bn2(self.bn1(x) * 0.5 + 1)
 
 
-def _float64_two_layers(x, stats, momentum=0.9, train=True):
-    """_TwoLayerNet in float64 (gamma 1, beta 0): training mode updates
-    ``stats`` ([(mean, var), (mean, var)], the running statistics) in place;
-    predict mode normalizes with them. Returns the output."""
+def _float64_two_layers(x, stats=None):
+    """_TwoLayerNet in float64 (gamma 1, beta 0): in training mode (no
+    ``stats``) each layer's batch statistics, ``[(mean, var), (mean,
+    var)]``; in predict mode the output, normalized with ``stats`` (the
+    running statistics, in that form)."""
     channels = x.shape[1]
     ones, zeros = np.ones(channels), np.zeros(channels)
-    a = x.astype(np.float64)
+    a, batch = x.astype(np.float64), []
     for layer in range(2):
-        if train:
+        if stats is None:
             a, _, _, _, mean, var = batchnorm_float64(a, np.zeros_like(a), ones, zeros)
-            stats[layer] = (stats[layer][0] * momentum + mean * (1 - momentum),
-                            stats[layer][1] * momentum + var * (1 - momentum))
+            batch.append((mean, var))
         else:
             mean, var = stats[layer]
             a = (a - mean.reshape(1, -1, 1, 1)) / np.sqrt(var.reshape(1, -1, 1, 1) + 1e-5)
         if layer == 0:
             a = a * 0.5 + 1
-    return a
+    return a if stats is not None else batch
+
+
+def _passes(net, rng, sizes, channels, ctxs, calls):
+    """One training step of ``net``, not waited for: one random pass, or
+    ``calls`` of them on batches ``1e3 * (k + 1)`` from zero, each input
+    with a gradient, every output in one backward, the last call's first (a
+    GAN discriminator on real and fake batches). Returns the batches."""
+    if calls == 1:
+        return [_random_pass(net, rng, sizes, channels, ctxs)]
+    batches = [(rng.randn(sum(sizes), channels, 4, 4) * rng.uniform(0.5, 3)
+                + 1e3 * (k + 1)).astype(np.float32) for k in range(calls)]
+    xs = [[mx.nd.array(p, ctx=c) for p, c in zip(split_batch(x, sizes), ctxs)] for x in batches]
+    for a in sum(xs, []):
+        a.attach_grad()
+    with autograd.record():
+        ys = [[net(a) for a in call] for call in xs]
+    autograd.backward(sum(ys[::-1], []))
+    return batches
 
 
 @scenario
-def train_and_predict(hybridize=False, sizes=(3, 5), epochs=3, steps=4, seed=0):
-    """Epochs of ``steps`` training steps, each epoch followed by a
-    validation pass in predict mode, as training scripts do, with no sync
-    point at all until the end: the predict outputs against float64 maths
-    with the running statistics float64 training gives at that point.
-    Returns their worst relative error, and whether the network kept a graph
-    for each mode (hooks)."""
+def train_and_predict(hybridize=False, sizes=(3, 5), epochs=3, steps=4, seed=0, calls=1):
+    """Epochs of ``steps`` training steps (the network called ``calls``
+    times in each, :func:`_passes`), each epoch followed by a validation
+    pass in predict mode, as training scripts do, with no sync point at all
+    until the end: the predict outputs against float64 maths with the
+    running statistics float64 training gives at that point, the calls
+    folded in as MXNet's BatchNorm does on the devices' kind
+    (:func:`tests.reference.update_order`). Returns their worst relative
+    error, and whether the network kept a graph for each mode (hooks)."""
     rng = np.random.RandomState(seed)
     ctxs = contexts(len(sizes))
     channels = 3
@@ -103,13 +123,16 @@ def train_and_predict(hybridize=False, sizes=(3, 5), epochs=3, steps=4, seed=0):
     if hybridize:
         net.hybridize(static_alloc=hybridize == 'static', static_shape=hybridize == 'static')
     stats = [(np.zeros(channels), np.ones(channels))] * 2
+    order = update_order(calls, hybridize, reverse=True)
     checks = []
     for _ in range(epochs):
         for _ in range(steps):
-            _float64_two_layers(_random_pass(net, rng, sizes, channels, ctxs), stats)
+            batches = [_float64_two_layers(x)
+                       for x in _passes(net, rng, sizes, channels, ctxs, calls)]
+            stats = [fold_running(stats[i], [b[i] for b in batches], order) for i in range(2)]
         x = rng.randn(sum(sizes), channels, 4, 4).astype(np.float32) * 2 + 1
         ys = [net(mx.nd.array(p, ctx=c)) for p, c in zip(split_batch(x, sizes), ctxs)]
-        checks.append((ys, _float64_two_layers(x, stats, train=False)))
+        checks.append((ys, _float64_two_layers(x, stats)))
     errs = WorstErrors()
     for ys, expected in checks:
         errs.note('predict', np.concatenate([y.asnumpy() for y in ys]), expected)

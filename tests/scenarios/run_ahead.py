@@ -12,7 +12,8 @@ import mxnet as mx
 from mxnet import autograd, gluon
 
 from gluon_syncbn import SyncBatchNorm
-from tests.reference import WorstErrors, batchnorm_float64
+from tests.reference import (WorstErrors, batchnorm_float64, fold_running, on_gpus,
+                             update_order)
 from tests.scenarios import (VERBOSE, _BETA1, _BNStack, _GAMMA1, _RunAheadNet, _capture,
                              _random_pass, _ready, _two_layers_float64, contexts, scenario,
                              split_batch)
@@ -85,6 +86,10 @@ def aborted_then_exact(hybridize='static', cause='user_code', aborts=1, steps=4,
     x = rng.randn(*shape).astype(np.float32)
     errs = WorstErrors()
     errs.note('first', np.concatenate([o.asnumpy() for o in step(x)]), expect(x))
+    # Its backward calls done: an abort fails every call still queued, an
+    # earlier step's backward too (its gradients and, on CPU contexts, its
+    # running statistics' update).
+    mx.nd.waitall()
     start = time.time()
     raised = []
     for _ in range(aborts):
@@ -108,6 +113,7 @@ def aborted_then_exact(hybridize='static', cause='user_code', aborts=1, steps=4,
             if VERBOSE:
                 print('a later step raised:', str(exc).splitlines()[-1], flush=True)
     seconds = time.time() - start
+    mx.nd.waitall()  # the last step's backward calls (README: static graphs)
     for i, bn in enumerate((net.bn1, net.bn2)):
         for c in ctxs:
             errs.note('running_mean', bn.running_mean.data(c).asnumpy(), expected_running[i][0])
@@ -132,8 +138,10 @@ def predict_in_step(pattern='targets', hybridize='static', steps=4, num_devices=
     """Predict-mode calls inside training steps, nothing read before the
     last step. ``'targets'``: per device, a training call, then a
     predict-mode call of the same network on the same slice (consistency
-    targets): outputs against float64 maths, the predict ones with the
-    running statistics of the step's own update. ``'gan'``: a discriminator
+    targets), before the step's backward: outputs against float64 maths, the
+    predict ones with the running statistics as they are then (on GPUs with
+    the step's own update, made by its forward; on CPU contexts without,
+    made by its backward). ``'gan'``: a discriminator
     (``hybridize``) trained for a step, then a generator (``hybridize()``)
     trained through it in predict mode, per device: the generator's outputs
     and the discriminator's predictions. Also the seconds all that took."""
@@ -157,9 +165,10 @@ def predict_in_step(pattern='targets', hybridize='static', steps=4, num_devices=
                         ts.append(net(a))
             autograd.backward(ys)
             y64, batch = _two_layers_float64(x)
+            before = running
             running = [(rm * 0.9 + m * 0.1, rv * 0.9 + v * 0.1)
                        for (rm, rv), (m, v) in zip(running, batch)]
-            issued.append((ys, y64, ts, _predict_float64(x, running)))
+            issued.append((ys, y64, ts, _predict_float64(x, running if on_gpus() else before)))
         for ys, y64, ts, t64 in issued:
             errs.note('y', np.concatenate([y.asnumpy() for y in ys]), y64)
             errs.note('target', np.concatenate([t.asnumpy() for t in ts]), t64)
@@ -262,7 +271,9 @@ def run_ahead(hybridize=False, calls=2, sizes=(3, 5), steps=20, micro_steps=2, s
     the end; the layer is called ``calls`` times per forward pass, its
     momentum and eps changed between steps (:data:`SCHEDULE`). Returns the
     worst relative error of every device's running mean and variance against
-    float64 momentum updates over the global batch, in call order."""
+    float64 momentum updates over the global batch, the calls (each on the
+    one before's output) folded in as MXNet's BatchNorm does on the devices'
+    kind (:func:`tests.reference.update_order`)."""
     rng = np.random.RandomState(seed)
     ctxs = contexts(len(sizes))
     channels = 3
@@ -274,24 +285,21 @@ def run_ahead(hybridize=False, calls=2, sizes=(3, 5), steps=20, micro_steps=2, s
     if hybridize:
         net.hybridize(static_alloc=hybridize == 'static', static_shape=hybridize == 'static')
     trainer = gluon.Trainer(net.conv.collect_params(), 'sgd', {'learning_rate': 0.01})
-    run_mean, run_var = np.zeros(channels), np.ones(channels)
+    running = (np.zeros(channels), np.ones(channels))
     ones, zeros = np.ones(channels), np.zeros(channels)
-
-    def update(batch):
-        nonlocal run_mean, run_var
-        _, _, _, _, mean, var = batchnorm_float64(batch, np.zeros_like(batch), ones, zeros)
-        run_mean = run_mean * momentum + mean * (1 - momentum)
-        run_var = run_var * momentum + var * (1 - momentum)
+    order = update_order(calls, hybridize, chained=True)
 
     for step in range(steps):
         momentum, eps = SCHEDULE[step % len(SCHEDULE)]
         net.bn._kwargs.update(momentum=momentum, eps=eps)
         for _ in range(micro_steps):
-            batch = _random_pass(net, rng, sizes, channels, ctxs)
+            batch, stats = _random_pass(net, rng, sizes, channels, ctxs), []
             for _ in range(calls):
-                update(batch)
-                batch = batchnorm_float64(batch, np.zeros_like(batch), ones, zeros,
-                                          eps=eps)[0] * 0.5 + 1
+                out, _, _, _, mean, var = batchnorm_float64(batch, np.zeros_like(batch), ones,
+                                                            zeros, eps=eps)
+                stats.append((mean, var))
+                batch = out * 0.5 + 1
+            running = fold_running(running, stats, order, momentum)
         trainer.step(sum(sizes) * micro_steps)
         for param in net.collect_params().values():
             if param.grad_req != 'null':
@@ -302,7 +310,7 @@ def run_ahead(hybridize=False, calls=2, sizes=(3, 5), steps=20, micro_steps=2, s
     mx.nd.waitall()
     errs = WorstErrors()
     for c in ctxs:
-        errs.note('running_mean', net.bn.running_mean.data(c).asnumpy(), run_mean)
-        errs.note('running_var', net.bn.running_var.data(c).asnumpy(), run_var)
+        errs.note('running_mean', net.bn.running_mean.data(c).asnumpy(), running[0])
+        errs.note('running_var', net.bn.running_var.data(c).asnumpy(), running[1])
     errs['operator'] = net.bn._sync_backend.name
     return errs
