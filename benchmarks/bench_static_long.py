@@ -82,6 +82,7 @@ def worker(cfg):
         print('STEP %d' % step, flush=True)
     res['operator'] = report.operator_of(net)
     if res['stopped'] is None:
+        mx.nd.waitall()  # the last backward's running-statistics update (CPU contexts)
         params = net.collect_params()
         res['replica_spread'] = max(float(np.abs(p.data(c).asnumpy() - p.data(ctxs[0]).asnumpy())
                                           .max()) for name, p in params.items()

@@ -231,6 +231,10 @@ def new_device_set(change='reset_ctx', before=4, after=2, hybridize=True, steps=
     train(contexts(before), first)
     for ys, y64 in first:
         errs.note('y', np.concatenate([y.asnumpy() for y in ys]), y64)
+    # The backward calls update the running statistics on CPU contexts, and
+    # a static graph's executor orders neither the move's reads of them nor
+    # the last ones after that (README: read after mx.nd.waitall()).
+    mx.nd.waitall()
     ctxs = contexts(after)
     if change == 'reset_ctx':
         net.collect_params().reset_ctx(ctxs)
@@ -247,6 +251,7 @@ def new_device_set(change='reset_ctx', before=4, after=2, hybridize=True, steps=
     for ys, y64 in later:
         errs.note('y', np.concatenate([y.asnumpy() for y in ys]), y64)
     seconds = time.time() - start
+    mx.nd.waitall()
     for i, bn in enumerate((net.bn1, net.bn2)):
         for c in ctxs:
             errs.note('running_mean', bn.running_mean.data(c).asnumpy(), running[i][0])
