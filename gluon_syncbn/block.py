@@ -125,9 +125,14 @@ class SyncBatchNorm(nn.BatchNorm):
 
     Notes
     -----
-    Running statistics are updated in the forward pass of every training call
-    (``nn.BatchNorm`` on CPU updates them during backward); with forward and
-    backward in each step, as in training, the two agree.
+    Running statistics take each training call's whole-batch mean and
+    variance where ``nn.BatchNorm`` takes them on the same kind of device,
+    for any number of calls per step: on CPU contexts in the call's backward
+    pass, in the order MXNet runs the backward passes (a call with no
+    backward leaves them alone), equal to ``nn.BatchNorm``'s; on GPUs in the
+    forward pass, in call order, as cuDNN's does, but with the biased
+    variance, as on CPU (cuDNN folds in the unbiased one). With
+    ``hybridize(static_shape=True)`` read them after ``mx.nd.waitall()``.
 
     Called on a Symbol (a hybridized network's trace, or a backbone traced
     into a SymbolBlock, as GluonCV's feature extractors do) the layer is
