@@ -3,6 +3,8 @@
 * Entering the outermost ``autograd.record()`` (or ``train_mode()``) scope
   begins a training step: calls issued after a failure but before that belong
   to the failed step (see ``session.Session``).
+* In a worker of a multi-process job, a batch a DataLoader fails to give
+  abandons the step too (a script that catches that skips the batch).
 * An exception that leaves ``autograd.record()`` means the step was abandoned
   half-way (say device 2's forward raised in user code): the SyncBatchNorm calls
   already issued for devices 0 and 1 would wait for partners that never come, so
@@ -71,6 +73,56 @@ def install_record_abort_hook(scope_class, session):
 
     scope_class.__exit__ = __exit__
     scope_class._gluon_syncbn_hooked = True
+
+
+def install_data_loader_hook(loader_class, session, across_processes):
+    """In a worker of a multi-process job (``across_processes()``), a batch
+    a DataLoader fails to give (its iterator raised: a script that catches
+    that skips the batch) abandons the step, as an exception leaving
+    ``record()`` does: a batch one worker alone skips so ends the job at
+    its next synchronized call, naming it, instead of pairing each of its
+    later steps with the others' next one; one every worker skips alike
+    costs nothing."""
+    if getattr(loader_class.__iter__, '_gluon_syncbn_hooked', False):
+        return
+    original = loader_class.__iter__
+
+    def __iter__(self):
+        batches = original(self)
+        return _WatchedBatches(batches, session) if across_processes() else batches
+
+    __iter__._gluon_syncbn_hooked = True
+    loader_class.__iter__ = __iter__
+
+
+class _WatchedBatches(object):
+    """A DataLoader's iterator whose failures abandon the step (see
+    :func:`install_data_loader_hook`); usable again after one, as the
+    iterator it wraps."""
+
+    def __init__(self, batches, session):
+        self._batches = batches
+        self._session = session
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        try:
+            return next(self._batches)
+        except StopIteration:
+            raise
+        except Exception as exc:
+            self._session.fail_step(SyncBatchNormError(
+                'a batch failed to load (in thread %r): %s: %s' % (
+                    threading.current_thread().name, type(exc).__name__, exc)), raised=exc)
+            raise
+
+    def __getattr__(self, name):
+        return getattr(self._batches, name)
+
+    def __len__(self):
+        return len(self._batches)
 
 
 def install_step_hooks(autograd_module, session):
@@ -337,6 +389,7 @@ def install():
     import); each does nothing until a layer has synchronized."""
     install_record_abort_hook(mx.autograd._RecordingStateScope, SESSION)
     install_step_hooks(mx.autograd, SESSION)
+    install_data_loader_hook(mx.gluon.data.DataLoader, SESSION, transport.across_processes)
     install_exit_abort_hook(SESSION, mx.nd.waitall)
     install_cached_op_hook(mx.gluon.HybridBlock, SESSION, mx.autograd.is_training)
     install_export_hook(mx.gluon.HybridBlock)

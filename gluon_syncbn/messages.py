@@ -82,8 +82,8 @@ TEMPLATES = {
         "the same number of times per step.",
     'step_abandoned':
         "SyncBatchNorm '{layer}': a training step was abandoned on some workers only (an "
-        "exception left their autograd.record() scope), found at its {direction} reduction "
-        "(slot {slot}): {workers}. A batch one worker skips would pair each of its later "
+        "exception left their autograd.record() scope, or their DataLoader failed to give a "
+        "batch), found at its {direction} reduction (slot {slot}): {workers}. A batch one worker skips would pair each of its later "
         "steps with another worker's next one: skip a batch on every worker alike, or on "
         "none.",
     'worker_ended':

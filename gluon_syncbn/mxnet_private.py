@@ -49,7 +49,8 @@ Class patches (``hooks``, installed by the package's ``__init__``: ``hooks.insta
     ``autograd._RecordingStateScope.__exit__`` (an exception aborts the
     step; its own fields are not read), ``autograd.set_recording`` and
     ``set_training`` (module functions the scopes call by name: steps begin
-    where a thread starts recording or training), ``NDArray.asnumpy``,
+    where a thread starts recording or training), ``gluon.data.DataLoader.__iter__``
+    (across processes, a batch it fails to give abandons the step), ``NDArray.asnumpy``,
     ``NDArray.wait_to_read`` and ``mx.nd.waitall`` (a read notes that its
     thread waits), ``HybridBlock._call_cached_op`` (which
     ``SymbolBlock.forward`` calls for every NDArray call),

@@ -175,6 +175,11 @@ def _guard_exit(rank):
     _patches['install_exit_guard'](_note_failure, functools.partial(_at_exit, rank))
 
 
+def across_processes():
+    """Whether a layer of this process synchronizes with other workers."""
+    return bool(_exit_state['twins'])
+
+
 def _note_failure(code, cause):
     _exit_state['failure'] = (code, cause)
 

@@ -251,7 +251,9 @@ def train(backend, devices, sizes, steps=3, hybridize=False, image=8, seed=0, fa
     ``'skip_alike'`` (every worker raises inside ``record()`` at step 2,
     before any layer call, and skips that batch, as the reference does), or
     ``'late'`` (worker 1 reaches its first step 3 timeouts late), or
-    ``'skip_one'`` (worker 1 alone does what ``'skip_alike'`` does).
+    ``'skip_one'`` (worker 1 alone does what ``'skip_alike'`` does), or
+    ``'skip_loader'`` (worker 1 alone skips a batch its DataLoader failed to
+    give, before ``record()``).
     ``short``: worker 1's loop ends that many steps early. ``rank0_net``:
     rank 0 alone first builds a network of its own (an evaluation copy,
     converted with the job's kvstore, which shifts Gluon's automatic names
@@ -305,6 +307,11 @@ def train(backend, devices, sizes, steps=3, hybridize=False, image=8, seed=0, fa
         faulty = worker.rank == 1 and fault is not None
         if fault == 'late' and faulty and step == 0:
             time.sleep(3 * timeout)
+        elif fault == 'skip_loader' and faulty and step == 1:
+            try:  # its data loader fails on this batch, before record()
+                next(iter(gluon.data.DataLoader(_Unreadable(), batch_size=1)))
+            except OSError:
+                continue
         elif (fault == 'skip_alike' or fault == 'skip_one' and worker.rank == 1) and step == 1:
             try:
                 with autograd.record():
@@ -339,6 +346,16 @@ def train(backend, devices, sizes, steps=3, hybridize=False, image=8, seed=0, fa
                                                              rp.data().asnumpy()), flush=True)
     return dict(errs, rank=worker.rank, operator=','.join(sorted(_operators(net))),
                 timeouts=timeouts)
+
+
+class _Unreadable(gluon.data.Dataset):
+    """A data set whose every sample fails to load."""
+
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, index):
+        raise OSError('sample %d cannot be read' % index)
 
 
 def _fault(fault, x):

@@ -282,9 +282,10 @@ def test_a_failing_worker_ends_the_job_at_once_and_is_named(backend, launcher, f
 
 
 # Workers whose loops differ (dist_worker.train): worker 1's shard ends two
-# steps early, or it alone skips a batch inside record(). With the layers'
-# default timeout (30 minutes across workers), the job ends in seconds: the
-# others learn it at their next synchronized call, named.
+# steps early, or it alone skips a batch (inside record(), or one its
+# DataLoader failed to give, before record()). With the layers' default
+# timeout (30 minutes across workers), the job ends in seconds: the others
+# learn it at their next synchronized call, named.
 UNEVEN = [
     ({'short': 2, 'steps': 4},
      r"worker 0 \(pid \d+\) failed with exit code 1: .*SyncBatchNorm '\w+': worker 1 ended "
@@ -297,6 +298,11 @@ UNEVEN = [
      r"some workers only .*: worker 0: its call #2 of this layer, after 0 abandoned steps; "
      r"worker 1: its call #2 of this layer, after 1 abandoned step\. .*skip a batch on every "
      r"worker alike, or on none\.$"),
+    ({'fault': 'skip_loader', 'steps': 4},
+     r"worker \d \(pid \d+\) failed with exit code 1: .*a training step was abandoned on "
+     r"some workers only \(.*their DataLoader failed to give a batch\).*: worker 0: its call "
+     r"#2 of this layer, after 0 abandoned steps; worker 1: its call #2 of this layer, after 1 "
+     r"abandoned step\. .*skip a batch on every worker alike, or on none\.$"),
 ]
 
 
