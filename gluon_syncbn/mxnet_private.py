@@ -14,7 +14,7 @@ Raw memory
       mutable inputs as read-only inputs, and make their operators once; the
       native operators' states share one engine variable per layer and device
       (``native/sync_call.h`` layer_variable), which orders a layer's calls,
-      and their updates inside them, there; ``hooks`` stamps each graph call
+      and their updates inside them, there; ``graphs`` stamps each graph call
       with its step (``gsbn_stamp_static``) and fences a predict call after
       training calls (``gsbn_fence``, which reads an NDArray's engine
       variable, ``NDArray::var``).

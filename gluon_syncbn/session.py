@@ -33,7 +33,7 @@ class Session(object):
 
     Operators take a token when they are issued (in imperative and
     dynamic-graph mode; a static graph's calls are stamped with it, see
-    hooks). A failure that leaves calls without partners (a device raised, a
+    ``graphs``). A failure that leaves calls without partners (a device raised, a
     device never came, ``reset()``) starts a new token: calls issued before
     it fail at once with the cause instead of waiting, or pairing with the
     next step's calls. Calls issued after the failure but before the next

@@ -104,8 +104,9 @@ class VectorBackend(Backend):
         return F.Cast(out, dtype=operator_dtype(dtype)) if half else out
 
     def _graph(self, F, xs, params, call):
-        """The output for ``xs`` (the input, widened): 8 operators, 9 with
-        reshape_like, each a kernel on a GPU, around the backend's operator.
+        """The output for ``xs`` (the input, widened): 6 operators, 7 with
+        reshape_like and one more where ``moments`` needs a reshape, each a
+        kernel on a GPU, around the backend's operator.
 
         The centre m1 is the mean MXNet computes, a constant to autograd (the
         output does not depend on it), blocked at its input: blocked at its
