@@ -22,7 +22,9 @@ ended with ``os._exit(1)`` after printing the cause.
 
 A worker whose script fails ends at once too (:func:`_guard_exit`): left
 to itself, its interpreter's exit would wait in ps-lite's final barrier for
-the other workers, which wait for its sums until their timeout.
+the other workers, which wait for its sums until their timeout. A worker
+whose script ends tells the others (:func:`_tell_the_others`): one still
+training fails at its next synchronized call, naming it.
 """
 import ctypes
 import functools
@@ -210,9 +212,9 @@ def _at_exit(rank):
 
 def _tell_the_others(lib, failed):
     """This worker ends (``failed``: badly): every twin sends its END rows
-    (``native/remote.h``, ``end_remote``), so that a worker still training
-    fails at its next synchronized call, naming this one, instead of at its
-    timeout. Returns what the other workers did instead of ending their
+    (``native/remote.h``, ``end_remote``; a failing worker only where
+    another ended first), so that a worker still training fails at its next
+    synchronized call, naming this one, instead of at its timeout. Returns what the other workers did instead of ending their
     scripts too, or '' (also where they did not end within the wait: the
     interpreter's exit then waits for them, as MXNet's does)."""
     if lib is None:
