@@ -6,8 +6,8 @@
 // resource.cc:283-292); an operation that holds one writes its engine
 // variable, so it runs after every operation issued earlier on that slot.
 // A static_shape graph takes one slot per context at its first call and
-// keeps it for its life (attach_op_resource_pass.cc:45-73, called from cached_op.cc:486), so
-// every other operation's slot sweeps over it once per turn of the pool:
+// keeps it for its life (attach_op_resource_pass.cc:45-73, called from
+// cached_op.cc:486), so every other operation's slot sweeps over it once per turn of the pool:
 // sooner or later device 1's operation before a SyncBatchNorm call lands on
 // the slot of device 0's graph, which waits in that call for device 1, and
 // both wait for ever. No number of slots prevents it; more slots only make
