@@ -79,16 +79,19 @@ REFERENCE = re.compile(
     r'(?<![\w/.<>{}$%*-])'
     r'((?:[\w.-]+/)*[\w-]+(?:\.[\w-]+)*\.(?:' + '|'.join(EXTENSIONS) + r'))'
     r'(?![\w/-]|\.\w)'
-    r'(?::(\d+)(?:-(\d+))?(?![\d.])|:(' + _NAME + r'))?')
+    r'(?::(\d+)(?:-(\d+))?(?!\d|\.\d)|:(' + _NAME + r'))?')
 LINK = re.compile(r'\[[^\]]*\]\(([^)\s]*)\)')
 SECTION = re.compile(r"([\w./-]+\.md),\s+section\s+'([^']+)'")
 URL = re.compile(r'\b(?:https?|file)://\S+')
 
 
 def _tracked():
-    out = subprocess.run(['git', 'ls-files'], cwd=ROOT, capture_output=True, text=True)
+    # Files not yet committed count too; ignored and deleted ones do not.
+    out = subprocess.run(['git', 'ls-files', '--cached', '--others', '--exclude-standard'],
+                         cwd=ROOT, capture_output=True, text=True)
     if out.returncode == 0 and out.stdout.strip():
-        return out.stdout.split()
+        return sorted(p for p in set(out.stdout.split())
+                      if os.path.isfile(os.path.join(ROOT, p)))
     files = []
     for top, dirs, names in os.walk(ROOT):
         dirs[:] = [d for d in dirs if not d.startswith('.')]
@@ -267,6 +270,7 @@ def test_mxnet_references_resolve():
     ('[Threads](design.md#no-such-section)', 'missing section'),
     ('[x](no_such_page.md)', 'missing'),
     ('(`resources.cc:129`)', 'no such file'),
+    ('see native/session.h:99999.', 'outside'),
     ("docs/install.md, section 'No such'", 'no section'),
 ])
 def test_a_bad_reference_fails(planted, why):
