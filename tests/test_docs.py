@@ -24,6 +24,9 @@ paths the code itself names). The rules, kept simple:
 * A markdown link ``[text](path#section)`` names a file that exists and a
   heading of it (GitHub's anchors); ``(#section)`` a heading of the same
   file; ``docs/x.md, section 'Title'`` a heading titled so.
+* design.md's module map names every file of the package, and each name
+  in backticks in a module's row (``_bind``, ``hooks.install``) is a word of
+  that module's text (of the named module's, when dotted with one).
 * ``NOT_FILES`` lists the file names that are no file on purpose (a
   script a test writes, a user's own script in a command line).
 
@@ -261,6 +264,58 @@ def test_mxnet_references_resolve():
     for path in _scanned():
         bad += [p for p in problems(path, _read(path), mxnet) if 'MXNet' in p]
     assert not bad, 'references to MXNet 1.9.1 that do not resolve:\n' + '\n'.join(bad)
+
+
+def module_map_problems(text):
+    """What design.md's module map (in ``text``) says that the package does
+    not hold, and the package's files it does not name."""
+    section = text.split('## Module map', 1)[1].split('\n## ', 1)[0]
+    package = os.path.join(ROOT, 'gluon_syncbn')
+    found = []
+    for line in section.splitlines():
+        if not line.startswith('| `'):
+            continue
+        cells = line.split('|')
+        paths = []
+        for name in re.findall(r'`([^`]+)`', cells[1]):
+            full = os.path.join(package, name)
+            if not os.path.exists(full):
+                found.append('module map: no gluon_syncbn/%s' % name)
+            paths += [os.path.join(full, n) for n in sorted(os.listdir(full))] \
+                if os.path.isdir(full) else [full]
+        own = ''.join(_read_abs(p) for p in paths if os.path.isfile(p))
+        for name in re.findall(r'`([A-Za-z_][\w.]*)`', '|'.join(cells[2:])):
+            parts = name.split('.')
+            module = os.path.join(package, parts[0] + '.py')
+            where = _read_abs(module) if len(parts) > 1 and os.path.isfile(module) else own
+            if name.endswith(tuple('.' + e for e in EXTENSIONS)) or \
+                    os.path.isfile(os.path.join(package, name + '.py')):
+                continue   # a file, or a module of the package, named
+            if not re.search(r'\b%s\b' % re.escape(parts[-1]), where):
+                found.append('module map: %s is not in %s' % (name, cells[1].strip()))
+    for path in TRACKED:
+        if path.startswith('gluon_syncbn/') and path.endswith(('.py', '.h', '.cc')):
+            name = os.path.basename(path)
+            if name != '__init__.py' and not re.search(r'\b%s\b' % re.escape(name), section):
+                found.append('module map: %s has no mention' % path)
+    return found
+
+
+def test_the_module_map_is_the_package():
+    bad = module_map_problems(_read('docs/design.md'))
+    assert not bad, '\n'.join(bad)
+
+
+def test_a_stale_module_map_fails():
+    text = _read('docs/design.md')
+    planted = text.replace('## Module map\n', '## Module map\n\n| `gone.py` | `nowhere` |\n'
+                           '| `graphs.py` | `no_such_binding` |\n', 1)
+    bad = module_map_problems(planted)
+    assert any('no gluon_syncbn/gone.py' in p for p in bad)
+    assert any('no_such_binding is not in `graphs.py`' in p for p in bad)
+    section = text.split('## Module map', 1)[1].split('\n## ', 1)[0]
+    assert any('has no mention' in p
+               for p in module_map_problems(text.replace(section, section.replace('tally.py', 'x'))))
 
 
 @pytest.mark.parametrize('planted, why', [
