@@ -23,7 +23,9 @@ paths the code itself names). The rules, kept simple:
   otherwise that test is skipped.
 * A markdown link ``[text](path#section)`` names a file that exists and a
   heading of it (GitHub's anchors); ``(#section)`` a heading of the same
-  file; ``docs/x.md, section 'Title'`` a heading titled so.
+  file; ``docs/x.md, section 'Title'`` a heading titled so, and
+  ``docs/x.md, "Words"`` a document holding those words (wrapped comments
+  read whole).
 * design.md's module map names every file of the package, and each name
   in backticks in a module's row (``_bind``, ``hooks.install``) is a word of
   that module's text (of the named module's, when dotted with one).
@@ -84,7 +86,7 @@ REFERENCE = re.compile(
     r'(?![\w/-]|\.\w)'
     r'(?::(\d+)(?:-(\d+))?(?!\d|\.\d)|:(' + _NAME + r'))?')
 LINK = re.compile(r'\[[^\]]*\]\(([^)\s]*)\)')
-SECTION = re.compile(r"([\w./-]+\.md),\s+section\s+'([^']+)'")
+SECTION = re.compile(r"([\w./-]+\.md),\s+(?:section\s+'([^']+)'|\"([^\"]+)\")")
 URL = re.compile(r'\b(?:https?|file)://\S+')
 
 
@@ -203,12 +205,6 @@ def problems(path, text, mxnet=None):
                              + (' (MXNet)' if target is None else ''))
             elif name and not has_definition(ref, name, target_text):
                 found.append(where + '%s defines no %s' % (ref, name) + (' (MXNet)' if target is None else ''))
-        for m in SECTION.finditer(line):
-            doc = resolve(m.group(1), path)
-            if doc is None:
-                found.append(where + '%s: no such file' % m.group(1))
-            elif not any(m.group(2) in h for h in headings(_read(doc))):
-                found.append(where + '%s has no section %r' % (m.group(1), m.group(2)))
         if not path.endswith('.md'):
             continue
         for m in LINK.finditer(line):
@@ -224,6 +220,31 @@ def problems(path, text, mxnet=None):
                 full = path
             if section and section not in anchors(_read(full) if full != path else text):
                 found.append(where + 'link to missing section %s#%s' % (target, section))
+    found += _named_sections(path, text)
+    return found
+
+
+def _flat(text):
+    """``text`` as one line: comment markers at line starts dropped, so that
+    a reference wrapped over lines of a comment reads whole."""
+    return ' '.join(re.sub(r'^\s*(?:#+|//+|\*|\"\"\")?\s*', '', line)
+                    for line in text.splitlines())
+
+
+def _named_sections(path, text):
+    """``doc.md, section 'Title'`` and ``doc.md, "Title"``: the document
+    exists and has a heading (or, for a quoted title, a text) of that name."""
+    found = []
+    for m in SECTION.finditer(_flat(text)):
+        doc, title, quoted = m.group(1), m.group(2) or m.group(3), m.group(3)
+        target = resolve(doc, path)
+        if target is None:
+            found.append('%s: %s: no such file' % (path, doc))
+            continue
+        target_text = _read(target)
+        where = _flat(target_text) if quoted else '\n'.join(headings(target_text))
+        if ' '.join(title.split()).lower() not in where.lower():
+            found.append('%s: %s has no section %r' % (path, doc, title))
     return found
 
 
@@ -327,11 +348,13 @@ def test_a_stale_module_map_fails():
     ('(`resources.cc:129`)', 'no such file'),
     ('see native/session.h:99999.', 'outside'),
     ("docs/install.md, section 'No such'", 'no section'),
+    ('(docs/findings.md, "Nothing of\n# that name")', 'no section'),
 ])
 def test_a_bad_reference_fails(planted, why):
     """The rules catch each kind of bad reference, and pass the good ones."""
     assert any(why in p for p in problems('docs/planted.md', planted))
     good = ('`graphs.py` `gluon_syncbn/graphs.py:Graphs` [d](design.md#module-map) '
             '`tests/conftest.py:1-3` `src/resource.cc:129-135` `resource.cc:1` '
-            "docs/install.md, section 'Horovod'")
+            "docs/install.md, section 'Horovod' "
+            '(docs/findings.md, "The stand-in\'s\n# floor")')
     assert problems('docs/planted.md', good) == []
