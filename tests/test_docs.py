@@ -19,8 +19,8 @@ paths the code itself names). The rules, kept simple:
   (``resource.cc`` is ``src/resource.cc``), others' to None. Paths from
   MXNet's root (``src/...``, ``include/mxnet/...``) need no entry. With
   ``MXNET_SOURCE`` naming an MXNet checkout or a git directory with the tag
-  ``1.9.1``, those files and their ``:N-M`` lines are checked there;
-  otherwise that test is skipped.
+  ``1.9.1``, those files and their lines (``:N-M``, or ``N-M`` after the
+  name) are checked there; otherwise that test is skipped.
 * A markdown link ``[text](path#section)`` names a file that exists and a
   heading of it (GitHub's anchors); ``(#section)`` a heading of the same
   file; ``docs/x.md, section 'Title'`` a heading titled so, and
@@ -85,6 +85,7 @@ REFERENCE = re.compile(
     r'((?:[\w.-]+/)*[\w-]+(?:\.[\w-]+)*\.(?:' + '|'.join(EXTENSIONS) + r'))'
     r'(?![\w/-]|\.\w)'
     r'(?::(\d+)(?:-(\d+))?(?!\d|\.\d)|:(' + _NAME + r'))?')
+MXNET_LINES = re.compile(r'`{0,2},? (\d+)(?:-(\d+))?(?![\d.]*\s*(?:ms|s|MB|GB|%))')
 LINK = re.compile(r'\[[^\]]*\]\(([^)\s]*)\)')
 SECTION = re.compile(r"([\w./-]+\.md),\s+(?:section\s+'([^']+)'|\"([^\"]+)\")")
 URL = re.compile(r'\b(?:https?|file)://\S+')
@@ -189,6 +190,11 @@ def problems(path, text, mxnet=None):
                     continue
                 if external is None or mxnet is None:
                     continue
+                if not (first or name):
+                    # MXNet's lines may also follow its file's name:
+                    # ``resource.cc`` 128-135 (ours must use file:N-M).
+                    lines = MXNET_LINES.match(line, m.end())
+                    first, last = lines.groups() if lines else (None, None)
                 target_text = mxnet(external)
                 if target_text is None:
                     found.append(where + '%s (%s) is not in MXNet 1.9.1' % (ref, external))
@@ -358,3 +364,14 @@ def test_a_bad_reference_fails(planted, why):
             "docs/install.md, section 'Horovod' "
             '(docs/findings.md, "The stand-in\'s\n# floor")')
     assert problems('docs/planted.md', good) == []
+
+
+def test_a_bad_mxnet_reference_fails():
+    """MXNet's references are checked against the source they are given
+    (here a stand-in: src/resource.cc of 200 lines)."""
+    def source(path):
+        return 'line\n' * 199 + 'line' if path == 'src/resource.cc' else None
+    assert problems('docs/planted.md', '`resource.cc` 128-135, `src/resource.cc:1`', source) == []
+    for planted in ('`resource.cc` 455-458', '(resource.cc 300)', '`src/resource.cc:201`',
+                    '`threaded_engine.h`'):
+        assert any('MXNet' in p for p in problems('docs/planted.md', planted, source)), planted

@@ -2,19 +2,19 @@
 //
 // MXNet 1.9.1's resource manager (src/resource.cc) gives every CPU context
 // one pool of temp-space slots: Request() ignores the context's id for CPU
-// (resource.cc:129-135) and hands the slots out round-robin (GetNext,
-// resource.cc:283-292); an operation that holds one writes its engine
-// variable, so it runs after every operation issued earlier on that slot.
-// A static_shape graph takes one slot per context at its first call and
-// keeps it for its life (attach_op_resource_pass.cc:45-73, called from
-// cached_op.cc:486), so every other operation's slot sweeps over it once per turn of the pool:
+// (resource.cc 129-135) and hands the slots out round-robin (GetNext,
+// 283-292); an operation that holds one writes its engine variable, so it
+// runs after every operation issued earlier on that slot. A static_shape
+// graph takes one slot per context at its first call and keeps it for its
+// life (attach_op_resource_pass.cc 45-73, called from cached_op.cc 486), so
+// every other operation's slot sweeps over it once per turn of the pool:
 // sooner or later device 1's operation before a SyncBatchNorm call lands on
 // the slot of device 0's graph, which waits in that call for device 1, and
 // both wait for ever. No number of slots prevents it; more slots only make
 // it come later.
 //
 // This file gives each CPU context's temp-space requests a pool of its own,
-// as MXNet does for GPUs (resource.cc:145-148): an operation of device 0
+// as MXNet does for GPUs (resource.cc 145-148): an operation of device 0
 // then never waits for a slot device 1's work holds, whatever the graphs
 // keep. In each thread that issues a step, Request is replaced
 // (mxnet_abi.h, replace_resource_request) by one that answers temp-space
@@ -86,7 +86,7 @@ CpuTempSpaces& cpu_temp_spaces() {
 // failed step holds. A failed (or skipped) operation leaves its error on
 // every engine variable it writes, its temp-space slot's included, and MXNet
 // skips every later operation on that slot with that error until the error
-// is cleared (threaded_engine.h:472-487, OnStart; the next step's first
+// is cleared (threaded_engine.h OnStart 472-487; the next step's first
 // synchronized call clears them all, Session.clear_failed_arrays). With a few
 // slots per context the next step's first operations, issued before that,
 // would land on them, be skipped, and read back as garbage once the error

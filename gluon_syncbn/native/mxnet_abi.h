@@ -222,7 +222,7 @@ struct RequestReplacement {
 };
 
 // Replaces Request in the calling thread's resource manager (MXNet keeps
-// one per thread: resource.cc:455-458) by `request`, which may forward to
+// one per thread: resource.cc 455-458) by `request`, which may forward to
 // `r->mxnet_request`; the first call fills `r`. "" on success (also where
 // this thread's was replaced already), else why not (nothing changed): a
 // table whose entries are not the ones named above is left alone.
