@@ -265,7 +265,7 @@ def _trusted_library():
             raise NativeUnavailable('no place to keep it can be trusted: %s' % why)
     if os.path.exists(path):
         digest = cache.digest(path)
-        stale = [m for m in cache.verdicts(path) if cache.read_verdict(m)[0] not in (None, digest)]
+        stale = [m for m in cache.verdicts(path) if cache.read_verdict(m)[0] != digest]
         if stale:
             warn_user('gluon_syncbn: %s is not the library its self-test verdict %s was '
                       'reached on: it is not loaded, but built again.' % (path, stale[0]))
@@ -345,7 +345,7 @@ def _selftest(path, part):
         return 'ok'  # this is the self-test's process
     marker = '%s.%s%s.selftest' % (path, part, _driver_tag() if part == 'exchange' else '')
     kept = cache.read_verdict(marker) if os.path.exists(marker) else (None, None)
-    if kept[0] != _state['digest']:  # none yet, or one an older version kept without a digest
+    if kept[0] != _state['digest']:  # none yet
         _say('self-testing the %s operator in a subprocess (a few seconds, once per build) ...'
              % ('asynchronous' if part == 'async' else part))
         verdict, definite = run_selftest(part)
