@@ -134,11 +134,6 @@ def library_path(cache_root=None):
                         'libgluon_syncbn-%s.so' % digest)
 
 
-def _mkldnn():
-    import mxnet
-    return int(mxnet.runtime.Features().is_enabled('MKLDNN'))
-
-
 def build(path, cache_root):
     """Compile ``syncbn.cc`` into ``path`` (its missing directories up to
     ``cache_root`` made 0700); raise NativeUnavailable with the reason."""
@@ -162,7 +157,9 @@ def build(path, cache_root):
                 % (CACHE_VARIABLE, cache.default_root()))
     os.close(fd)
     include = os.path.join(mx_dir, 'include')
-    command = [compiler] + _flags() + ['-DMXNET_USE_MKLDNN=%d' % _mkldnn(), '-I' + include,
+    import mxnet
+    mkldnn = int(mxnet.runtime.Features().is_enabled('MKLDNN'))
+    command = [compiler] + _flags() + ['-DMXNET_USE_MKLDNN=%d' % mkldnn, '-I' + include,
                                     '-I' + os.path.join(include, 'mkldnn'), SOURCE, '-o', tmp,
                                     '-L' + mx_dir, '-l:libmxnet.so', '-Wl,-rpath,' + mx_dir]
     # A layer's first call is silent for half a minute otherwise: say why.
