@@ -2,7 +2,7 @@
 //
 // MXNet 1.9.1's resource manager (src/resource.cc) gives every CPU context
 // one pool of temp-space slots: Request() ignores the context's id for CPU
-// (resource.cc 129-135) and hands the slots out round-robin (GetNext,
+// (resource.cc 128-135) and hands the slots out round-robin (GetNext,
 // 283-292); an operation that holds one writes its engine variable, so it
 // runs after every operation issued earlier on that slot. A static_shape
 // graph takes one slot per context at its first call and keeps it for its
