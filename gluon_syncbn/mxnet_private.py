@@ -47,10 +47,11 @@ C++: libmxnet's ABI (``native/mxnet_abi.h`` unless said)
     ``NodeAttrs::dict`` is only iterated (its leading fields agree).
     **Public** nnvm's C API reads a node's inputs (``NNSymbolGetChildren``)
     and adds control dependencies (``NNAddControlDeps``), but sets inputs
-    only through ``NNSymbolCompose``, which also raises the version of each
-    mutated input (the running statistics) and requires it to be a
-    variable, which MXNet's own gradient nodes do not; so the layout stays,
-    one struct. **Checked** selftest (both operators' backward).
+    only through ``NNSymbolCompose``, whose ``UpdateNodeVersion`` reads
+    every variable input's nnvm version: autograd's variables carry none
+    (``Imperative::RecordOp`` asks for the gradient with them, through
+    ``GetBackwardDependency``) and it segfaults (tried: the self-test
+    crashed there). **Checked** selftest (both operators' backward).
     Exported engine and array methods: ``Engine::Get()`` ``NewVariable``,
     ``DeleteVariable``, ``WaitForVar`` (``settle_engine_variable``: it
     rethrows and nulls the error a failed call left, ``ThrowException``
