@@ -47,18 +47,19 @@ C++: libmxnet's ABI (``native/mxnet_abi.h`` unless said)
     ``NodeAttrs::dict`` is only iterated (its leading fields agree).
     **Public** nnvm's C API reads a node's inputs (``NNSymbolGetChildren``)
     and adds control dependencies (``NNAddControlDeps``), but sets inputs
-    only through ``NNSymbolCompose``, whose ``UpdateNodeVersion`` reads
-    every variable input's nnvm version: autograd's variables carry none
-    (``Imperative::RecordOp`` asks for the gradient with them, through
-    ``GetBackwardDependency``) and it segfaults (tried: the self-test
-    crashed there). **Checked** selftest (both operators' backward).
+    only through ``NNSymbolCompose``, and MXNet asks for a gradient with
+    null placeholder inputs (``Imperative::GetBackwardDependency``, at every
+    recorded call), which Compose dereferences (``UpdateNodeVersion``;
+    tried: the self-test segfaulted there). **Checked** selftest (both
+    operators' backward).
     Exported engine and array methods: ``Engine::Get()`` ``NewVariable``,
     ``DeleteVariable``, ``WaitForVar`` (``settle_engine_variable``: it
     rethrows and nulls the error a failed call left, ``ThrowException``
     sharing one ``exception_ptr`` among every array the failure reached),
     ``NDArray::var`` (``array_variable``: ``gsbn_fence``). **Public** the C
-    API pushes operations on arrays and waits for arrays, not for an
-    operator state's variable. **Checked** selftest.
+    API pushes operations on engine variables (``MXEnginePushSync``) but
+    cannot make one, give an array's, or wait for one. **Checked**
+    selftest.
     ``mxnet::Context`` is ``{int32 dev_type, int32 dev_id}``
     (``MXEnginePushSyncND`` takes one by pointer: ``sync_call.h``).
     **Checked** selftest.
@@ -148,8 +149,9 @@ Gluon's private fields, read and written
     (``graphs.imperatively``: an empty input runs imperatively). **Tests**.
     ``Block._children``, read (the ordered children: ``graphs.blocks_of``
     and ``convert._swap`` walk them; ``convert._swap`` replaces a layer with
-    the public ``register_child`` under its name). **Public** Gluon 1.x
-    lists a block's children nowhere else. ``Block._reg_params`` and
+    the public ``register_child`` under its name). **Public**
+    ``Block.apply`` walks a tree children first, without the name a child
+    is registered under. ``Block._reg_params`` and
     ``ParameterDict._params``, written (``block.adopt_parameters``: a shadow
     layer, and one ``convert_model`` makes, take another's Parameter
     objects). **Public** ``params=`` sharing compares the attributes with
