@@ -167,7 +167,6 @@ Gluon's private fields, read and written
     ``errors.ours_behind``); other batch-norm blocks found as subclasses of
     the private ``nn.basic_layers._BatchNorm`` (``graphs``, ``convert``),
     contrib's layer by its ``_kwargs``' ``ndev``. **Tests**.
-    ``Parameter._data`` is None until a parameter has data (``precise_bn``).
     ``Trainer._params_to_init`` (``hooks.install_trainer_hook``).
     ``CachedOp.handle`` set to None when its construction is refused, so
     ``__del__`` frees nothing (``hooks.install_unbound_graph_hooks``).
