@@ -121,7 +121,7 @@ The engine's behaviour (no field read; relied on by the native operators)
       ``get_last_ffi_error``); ``failures.h`` failure_text starts with the
       names ``errors.py`` registers. **Tests**.
     * A failed call leaves its exception on the arrays it writes, and MXNet
-      skips every operation on them (``threaded_engine.h`` OnStart 472-487),
+      skips every operation on them (``threaded_engine.h`` OnStart 472-489),
       until a wait on one of them clears it on all
       (``Session.clear_failed_arrays``; a CPU context's temp-space slots are
       retired at an abort for the same reason). **Tests**.

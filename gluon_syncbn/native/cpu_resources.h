@@ -73,7 +73,7 @@ CpuTempSpaces& cpu_temp_spaces() {
 // failed step holds. A failed (or skipped) operation leaves its error on
 // every engine variable it writes, its temp-space slot's included, and MXNet
 // skips every later operation on that slot with that error until the error
-// is cleared (threaded_engine.h OnStart 472-487; the next step's first
+// is cleared (threaded_engine.h OnStart 472-489; the next step's first
 // synchronized call clears them all, Session.clear_failed_arrays). With a few
 // slots per context the next step's first operations, issued before that,
 // would land on them, be skipped, and read back as garbage once the error
