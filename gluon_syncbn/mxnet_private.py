@@ -1,19 +1,17 @@
 """The catalogue of every reliance of gluon_syncbn on MXNet 1.9.1 beyond its
 public API (Python attributes, Gluon's private fields, C++ layouts, virtual
 tables, symbols, engine behaviour), and on GluonCV, ps-lite and Python the
-same way. An MXNet upgrade starts here; a reliance missing here is a defect
-(``tests/test_mxnet_private.py`` checks the Gluon and MXNet names the
-package's Python uses, and the mangled symbols anywhere in it).
+same way: an MXNet upgrade starts here (``tests/test_mxnet_private.py``
+checks that every MXNet private name the package's Python uses, and every
+mangled symbol in it, is listed).
 
-Each entry: what, and where the code that relies on it lives; **serves**
-what; **public** why nothing public does; **checked** what catches a
-changed MXNet before it hurts. ``selftest`` is ``python -m
-gluon_syncbn.selftest`` (``selftest.py``), run in a subprocess once per
-build before the native library registers an operator or gives CPU
-contexts their temp space: where it fails, the layer does not use that
-operator (it raises at its first synchronized call, saying so) or keeps
-MXNet's shared temp space (it warns). "Tests" means nothing checks at run
-time: only the test suite, on MXNet 1.9.1.
+Each entry: what, and where the code that relies on it lives; **serves**;
+**public**: why nothing public does; **checked**: what catches a changed
+MXNet first. ``selftest`` is ``selftest.py``, run in a subprocess once per
+build before the native library registers an operator or gives CPU contexts
+their temp space (where it fails, the layer refuses that operator at its
+first synchronized call, or keeps MXNet's shared temp space and warns);
+"tests" means only the test suite, on MXNet 1.9.1.
 
 C++: libmxnet's ABI (``native/mxnet_abi.h`` unless said)
     Registration into ``dmlc::Registry<nnvm::Op>`` (``__REGISTER_OR_GET__``,
@@ -95,7 +93,8 @@ C++: the resource manager's virtual table (``native/cpu_resources.h``; ``mxnet_a
     the guard of the registry of those managers, set when the first is made
     (:func:`resources_made`). **Serves** ``configure_cpu_contexts``, which
     refuses to set ``MXNET_CPU_TEMP_COPY`` and
-    ``MXNET_CPU_PARALLEL_RAND_COPY`` after MXNet read them (at
+    ``MXNET_CPU_PARALLEL_RAND_COPY`` after MXNet read them (when it makes a
+    thread's manager, ``resource.cc`` 88-105: for the main thread at
     ``mx.random.seed`` or the first operator needing temp space or random
     numbers). **Public** nothing tells whether MXNet made its resources.
     **Checked** looked up by name: where absent, :func:`resources_made` says
@@ -264,12 +263,6 @@ The user's kvstore, its server and ps-lite (``hooks.wrap_kvstore``, ``native/ses
     scheduler no longer answers at ``DMLC_PS_ROOT_URI:DMLC_PS_ROOT_PORT``
     ends itself (``watch_helpers``). **Tests**.
 
-Engine settings (``cpu_contexts``)
-    ``MXNET_CPU_TEMP_COPY`` and ``MXNET_CPU_PARALLEL_RAND_COPY`` are read
-    when MXNet makes a thread's resource manager (``resource.cc`` 88-105),
-    for the main thread at ``mx.random.seed`` or the first operator that
-    needs temp space or random numbers; CPU contexts share those pools
-    (temp space only where the per-context pools above could not be made).
 """
 import ctypes
 
@@ -307,8 +300,8 @@ def operator_dtype(name):
 
 # The guard of the registry of MXNet's per-thread resource managers
 # (dmlc::ThreadLocalStore<ResourceManagerImpl>::Singleton()::inst), set when
-# the first one is made: MXNet reads MXNET_CPU_TEMP_COPY and
-# MXNET_CPU_PARALLEL_RAND_COPY then, and never again.
+# the first one is made, which reads MXNET_CPU_TEMP_COPY and
+# MXNET_CPU_PARALLEL_RAND_COPY (each thread's own reads them when it is made).
 _RESOURCES_MADE = ('_ZGVZN4dmlc16ThreadLocalStoreIN5mxnet8resource19ResourceManagerImplEE'
                    '9SingletonEvE4inst')
 
