@@ -83,7 +83,7 @@ def _swap(block, make):
         if new is child:
             replaced += 1
         elif new is not None:
-            block._children[key] = new
+            block.register_child(new, key)  # in place: same name, same position
             _replace_references(block, child, new)
             replaced += 1
         else:

@@ -223,11 +223,13 @@ def _batchnorm_layers(net):
                 "%s: '%s' is mxnet.gluon.contrib.nn.SyncBatchNorm, whose statistics cannot be "
                 "read. Convert the network with gluon_syncbn.convert_model first."
                 % (NAME, block.name))
-        if block.running_mean._data is None:
+        try:
+            block.running_mean.list_data()
+        except RuntimeError:  # not initialized, or waiting for its shape
             raise SyncBatchNormError(
                 "%s: '%s' has no running statistics yet (its parameters are not initialized, "
                 "or wait for their shape): initialize the network and run it on one batch "
-                "first." % (NAME, block.name))
+                "first." % (NAME, block.name)) from None
         found.append(block)
     return found
 

@@ -1,26 +1,13 @@
-// Temp space of its own for each CPU context, as each GPU has.
-//
-// MXNet 1.9.1's resource manager (src/resource.cc) gives every CPU context
-// one pool of temp-space slots: Request() ignores the context's id for CPU
-// (resource.cc 129-135) and hands the slots out round-robin (GetNext,
-// 283-292); an operation that holds one writes its engine variable, so it
-// runs after every operation issued earlier on that slot. A static_shape
-// graph takes one slot per context at its first call and keeps it for its
-// life (attach_op_resource_pass.cc 45-73, called from cached_op.cc 486), so
-// every other operation's slot sweeps over it once per turn of the pool:
-// sooner or later device 1's operation before a SyncBatchNorm call lands on
-// the slot of device 0's graph, which waits in that call for device 1, and
-// both wait for ever. No number of slots prevents it; more slots only make
-// it come later.
-//
-// This file gives each CPU context's temp-space requests a pool of its own,
-// as MXNet does for GPUs (resource.cc 145-148): an operation of device 0
-// then never waits for a slot device 1's work holds, whatever the graphs
-// keep. In each thread that issues a step, Request is replaced
-// (mxnet_abi.h, replace_resource_request) by one that answers temp-space
-// requests for cpu(i) from pool i, with slots of MXNet's own kind
-// (make_temp_space_slot), and forwards every other request (random
-// numbers, GPUs, pinned memory) to MXNet's.
+// Temp space of its own for each CPU context, as each GPU has: why a
+// static_shape graph on several CPU contexts stalls without it, why nothing
+// public does it, and what checks it, is the catalogue's entry "the
+// resource manager's virtual table" (gluon_syncbn/mxnet_private.py). In each
+// thread that issues a step, Request is replaced (mxnet_abi.h,
+// replace_resource_request) by one that answers temp-space requests for
+// cpu(i) from pool i, with slots of MXNet's own kind (make_temp_space_slot),
+// and forwards every other request (random numbers, GPUs, pinned memory) to
+// MXNet's; an operation of device 0 then never waits for a slot device 1's
+// work holds, whatever the graphs keep.
 #pragma once
 #include "mxnet_abi.h"
 
@@ -86,7 +73,7 @@ CpuTempSpaces& cpu_temp_spaces() {
 // failed step holds. A failed (or skipped) operation leaves its error on
 // every engine variable it writes, its temp-space slot's included, and MXNet
 // skips every later operation on that slot with that error until the error
-// is cleared (threaded_engine.h OnStart 472-487; the next step's first
+// is cleared (threaded_engine.h OnStart 472-489; the next step's first
 // synchronized call clears them all, Session.clear_failed_arrays). With a few
 // slots per context the next step's first operations, issued before that,
 // would land on them, be skipped, and read back as garbage once the error

@@ -1,6 +1,7 @@
-// How this library reaches MXNet's C++ operator registry, which its C API
-// does not expose: every reliance on libmxnet's C++ ABI sits here (the
-// Python-side list is gluon_syncbn/mxnet_private.py).
+// How this library reaches MXNet's C++ operator registry, engine and
+// resource manager, which its C API does not expose. Every reliance on
+// libmxnet's C++ ABI here and in cpu_resources.h is catalogued, with why
+// nothing public does and what checks it, in gluon_syncbn/mxnet_private.py.
 //
 // libmxnet.so of the 1.9.1 wheels exports its registry and NDArray methods,
 // and the wheel ships the headers; syncbn.cc is compiled with the wheel's
@@ -15,11 +16,6 @@
 //     after NodeAttrs::dict sit 8 bytes earlier in libmxnet. Nodes are made
 //     by libmxnet (NNSymbolCreateAtomicSymbol) and wired through NodeLayout;
 //     NodeAttrs::dict is only iterated (its leading fields agree).
-// Two more serve cpu_resources.h (temp space per CPU context): the resource
-// manager's virtual table, checked entry by entry with dladdr before one
-// entry is replaced, and the layout of resource.cc's SpaceAllocator, which
-// libmxnet's Resource::get_space_internal grows (replace_resource_request,
-// make_temp_space_slot below).
 // gluon_syncbn/selftest.py checks these facts in a subprocess before the
 // library registers either operator or gives CPU contexts their temp space;
 // where it fails, a layer that needs the operator raises at its first
