@@ -55,10 +55,10 @@ from .block import SyncBatchNorm, is_sync_batchnorm
 from .errors import SyncBatchNormError, warn_user
 from .mxnet_private import dtype_name
 
-__all__ = ['blocks_of', 'imperatively', 'layers_of', 'holds_layers', 'run_cached_op',
-           'note_placement', 'without_marks', 'check_cached_op', 'check_module', 'Graphs',
-           'Shadows', 'graph_layers', 'graph_batchnorms', 'keep_per_device',
-           'per_device_batchnorms', 'check_network']
+__all__ = ['blocks_of', 'imperatively', 'layers_of', 'run_cached_op', 'without_marks',
+           'check_cached_op', 'check_module', 'Graphs', 'Shadows', 'own_parameters', 'layer_for',
+           'graph_layers', 'graph_batchnorms', 'keep_per_device', 'per_device_batchnorms',
+           'check_network']
 
 
 # ------------------------------------------------------------ block trees --
@@ -118,14 +118,6 @@ def graph_batchnorms(block):
     return [n for i, n in enumerate(graph['nodes'])
             if i not in resolved and n['op'] in traced.BATCHNORMS
             and not traced.node_kwargs(n)['use_global_stats']]
-
-
-def holds_layers(block):
-    """Whether ``block`` runs a SyncBatchNorm layer: in its tree, or marked
-    in its graph."""
-    return any(is_sync_batchnorm(b) or (isinstance(b, SymbolBlock) and
-                                        traced.has_marks(b._cached_graph[1]))
-               for b in blocks_of(block))
 
 
 # ---------------------------------------------- layers left per device --
@@ -206,44 +198,29 @@ def check_network(caller, num_devices):
 
 # ------------------------------------------------------------- placements --
 
-# How many times a Parameter was placed on contexts (initialized, moved,
-# loaded onto others): a bound graph knows its layers' devices, and checks
-# them again only when this changed (:meth:`Graphs.moved`).
-_placements = [0]
-
-
-def note_placement():
-    """A Parameter was placed on contexts (``Parameter._init_impl``)."""
-    _placements[0] += 1
-
-
 class _Placement(object):
-    """The contexts ``layers`` lived on when a graph was bound."""
+    """The contexts ``layers`` lived on when a graph was bound: a Parameter
+    placed again (``initialize``, ``reset_ctx``, ``load_parameters(ctx=...)``)
+    gets a new list of contexts, which an identity check per layer sees."""
 
     def __init__(self, layers):
-        self.count = _placements[0]
         self.contexts = [(layer.gamma, layer.gamma.list_ctx()) for layer in layers]
 
     def moved(self):
-        """Whether a layer lives on other contexts now (``reset_ctx``,
-        ``initialize(..., force_reinit=True)``, ``load_parameters(ctx=...)``)."""
-        if self.count == _placements[0]:
-            return False
+        """Whether a layer lives on other contexts now."""
         for param, contexts in self.contexts:
             try:
                 if param.list_ctx() is not contexts:
                     return True
             except RuntimeError:  # not initialized any more
                 return True
-        self.count = _placements[0]
         return False
 
 
 # ---------------------------------------------------------------- shadows --
 
 class Shadows(object):
-    """The shadow layers of a block's graph, by the token of the node's mark
-    and gamma's name (held outside Gluon's containers: a list or dict of
+    """The shadow layers of a block's graph, by gamma's name (held outside Gluon's containers: a list or dict of
     Blocks in a block's attributes gets a warning from Gluon)."""
 
     def __init__(self):
@@ -262,11 +239,6 @@ def shadows_of(block):
     if shadows is None:
         shadows = block.__dict__['_gluon_syncbn_shadows'] = Shadows()
     return shadows
-
-
-def add_shadow(block, layer):
-    """Hold ``layer``, a shadow for a node marked with its own token."""
-    shadows_of(block).layers[(traced.token_of(layer), layer.gamma.name)] = layer
 
 
 def drop_shadows(block):
@@ -294,13 +266,42 @@ def _refuse(block, layers, where, fix):
         % (block.name, ', '.join("'%s'" % l.name for l in layers), where, fix))
 
 
+def own_parameters(graph, node, params):
+    """The Parameters (of ``params``, by name) ``node`` takes as gamma, beta
+    and the running statistics, or None where one of them is none of
+    ``params`` (computed by an operator, or fed as an input)."""
+    names = traced.parameter_inputs(graph, node)
+    own = [params.get(n) for n in names] if names else [None]
+    return None if any(p is None for p in own) else own
+
+
+def layer_for(block, node, own, settings=None):
+    """The one rule that resolves a batch-norm node of ``block``'s graph,
+    fed the Parameters ``own``, to the layer it runs as: the live layer its
+    mark names, where that layer's gamma is ``own``'s; else a shadow held by
+    ``block``: made anew with ``settings`` where given (``convert_model``'s),
+    else the one made before, or one with the marking layer's settings
+    (default ones where the mark names no live layer). A shadow has the
+    node's arguments (:meth:`SyncBatchNorm.shadow`)."""
+    marking = traced.layer_of(node.get('attrs', {}).get(traced.MARK))
+    if marking is not None and marking.gamma is own[0]:
+        return marking
+    shadows = shadows_of(block).layers
+    layer = shadows.get(own[0].name)
+    if settings is not None or layer is None or layer.gamma is not own[0]:
+        layer = shadows[own[0].name] = SyncBatchNorm.shadow(
+            traced.node_kwargs(node), own, **(settings or {'template': marking}))
+    return layer
+
+
 def graph_layers(block, graph, params):
     """``[(index, node, layer)]``: the marked nodes of ``graph``, ``block``'s
-    traced graph as JSON, and the layer each runs as, given the Parameters
-    ``block`` feeds its graph (``params``, by name). Raises where a node of
-    a layer that would synchronize cannot: inside a subgraph (a control-flow
-    operator's, or a graph partitioned by ``hybridize(backend=...)``), or
-    fed gamma, beta or the running statistics by operators."""
+    traced graph as JSON, and the layer each runs as (:func:`layer_for`),
+    given the Parameters ``block`` feeds its graph (``params``, by name).
+    Raises where a node of a layer that would synchronize cannot: inside a
+    subgraph (a control-flow operator's, or a graph partitioned by
+    ``hybridize(backend=...)``), or fed gamma, beta or the running
+    statistics by operators."""
     contexts = _contexts_of(params.values())
 
     def synchronizes(layer):
@@ -311,29 +312,18 @@ def graph_layers(block, graph, params):
         _refuse(block, hidden, "inside a control-flow operator's subgraph (or a graph "
                 "partitioned by hybridize(backend=...))", 'Call them outside control-flow '
                 'operators, and hybridize without a backend.')
-    shadows = shadows_of(block).layers
     found = []
     for index, node in traced.marked(graph):
-        token = node['attrs'][traced.MARK]
-        marking = traced.layer_of(token)
-        names = traced.parameter_inputs(graph, node)
-        own = [params.get(n) for n in names] if names else [None]
-        if any(p is None for p in own):
+        own = own_parameters(graph, node, params)
+        if own is None:
+            marking = traced.layer_of(node['attrs'][traced.MARK])
             if synchronizes(marking):
                 _refuse(block, [marking], "on gamma, beta or running statistics that are no "
                         "Parameters of the block (computed by operators, or fed as inputs)",
                         'Give the SymbolBlock the Parameters: gluon.SymbolBlock(outputs, '
                         'inputs, params=net.collect_params()).')
             continue  # it stays nn.BatchNorm's node
-        if marking is not None and marking.gamma is own[0]:
-            found.append((index, node, marking))
-            continue
-        key = (token, own[0].name)
-        layer = shadows.get(key)
-        if layer is None or layer.gamma is not own[0]:
-            layer = shadows[key] = SyncBatchNorm.shadow(traced.node_kwargs(node), own,
-                                                        template=marking)
-        found.append((index, node, layer))
+        found.append((index, node, layer_for(block, node, own)))
     return found
 
 
@@ -568,7 +558,9 @@ def run_cached_op(block, args, call, training, session):
     feed it one dtype in a step; an empty slice run imperatively."""
     session.separate_this_thread()
     graphs = _graphs_for(block, args, training)
-    if training and graphs.backends and not graphs.network_checked:
+    if not graphs.backends:  # no layer in it synchronizes: Gluon's call as it is
+        return call(block, *args)
+    if training and not graphs.network_checked:
         graphs.network_checked = True
         check_network(block, graphs.num_devices)
     session.clear_failed_arrays()
@@ -581,7 +573,7 @@ def run_cached_op(block, args, call, training, session):
             graphs.stamp(ctx, session)
         elif ctx in graphs.trained:
             graphs.fence(ctx, session)
-    if training and graphs.backends and args and hasattr(args[0], 'dtype'):
+    if training and args and hasattr(args[0], 'dtype'):
         session.check_dtypes(block, graphs.names, graphs.num_devices, args[0].context,
                              dtype_name(args[0].dtype))
         if any(getattr(a, 'size', 1) == 0 for a in args):
@@ -657,7 +649,8 @@ def check_module(symbol, contexts):
     """Raise if a Module on several ``contexts`` would run ``symbol``, which
     holds marked layers: it binds one executor per context, each a
     BatchNorm of its own slice."""
-    if len(contexts) < 2 or traced.MARK not in symbol.tojson(remove_amp_cast=False):
+    if len(contexts) < 2 or not SyncBatchNorm.made_any \
+            or traced.MARK not in symbol.tojson(remove_amp_cast=False):
         return
     graph = traced.graph_of(symbol)
     nodes = [n for _, n in traced.marked(graph)] + traced.marked_in_subgraphs(graph)

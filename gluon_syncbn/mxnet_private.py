@@ -72,12 +72,9 @@ Class patches (``hooks``, installed by the package's ``__init__``: ``hooks.insta
     from device 0) first drains the engine where ``Trainer._params_to_init``
     (the parameters it has yet to broadcast) is not empty
     (``hooks.install_trainer_hook``).
-    ``Parameter._init_impl`` (initialize, ``reset_ctx``, a load onto other
-    contexts) is counted (``hooks.install_parameter_hook``), and a bound
-    graph compares ``Parameter.list_ctx()`` with the list it was bound for.
-    ``HybridBlock.__deepcopy__`` (Gluon defines none) refuses a network with
-    a cached graph and SyncBatchNorm layers, else copies as Python does
-    (``copy._reconstruct``); ``autograd.grad``, ``autograd.backward`` and
+    A bound graph compares ``Parameter.list_ctx()`` with the list it was
+    bound for: a Parameter placed again (initialize, ``reset_ctx``, a load
+    onto other contexts) gets a new list. ``autograd.grad``, ``autograd.backward`` and
     ``NDArray.backward`` raise our error for a higher-order gradient MXNet
     refuses through our layers (``hooks.install_grad_hooks``,
     ``backward_errors``), reading the recorded graph

@@ -276,9 +276,8 @@ def test_copies_pickles_fixed_gamma_and_second_order_gradients_as_nn_batchnorm(p
         assert re.match(r"SyncBatchNorm '_bnstack\d_syncbatchnorm0', '_bnstack\d_syncbatchnorm1'"
                         r".* does not support higher-order gradients", r['second']), r
         assert 'hybridize' not in r['second'], r
-        if hybridize:
-            assert re.match(r"'_bnstack\d' is hybridized and has run: its cached graph",
-                            r['refused']), r
+        if hybridize:  # MXNet's own refusal, as for nn.BatchNorm's network (README: Limits)
+            assert 'ctypes objects containing pointers cannot be pickled' in r['refused'], r
 
 
 def test_converted_resnet18_trains_on_two_contexts():
