@@ -199,6 +199,10 @@ class SyncBatchNorm(nn.BatchNorm):
         state.update(self._FRESH)
         return state
 
+    def __setstate__(self, state):
+        SyncBatchNorm.made_any = True  # a layer unpickled in a process that made none
+        self.__dict__.update(state)
+
     def __deepcopy__(self, memo):
         # The copy shares the transport: one per store, holding locks and the
         # user's kvstore.
