@@ -10,12 +10,14 @@ graph is *bound*:
 * Gluon's own build makes the CachedOp of the traced graph as it is, the
   graph ``nn.BatchNorm``'s network has: the **predict graph**. It also
   finishes a deferred initialization.
-* Each marked node is resolved to a layer (:func:`graph_layers`): the one
+* Each marked node is resolved to a layer by one rule (:func:`layer_for`,
+  which ``convert_model`` applies to a SymbolBlock's nodes too): the layer
   its mark names, where that layer's ``gamma`` is the Parameter the block
   feeds the node; else a *shadow*, a layer with the node's arguments and
-  the marking layer's settings that adopts the block's Parameters (a
-  SymbolBlock's own, or the nodes ``convert_model`` marked in one). Shadows
-  are held by the block (:class:`Shadows`), not as children.
+  the marking layer's settings (``convert_model``'s) that adopts the
+  block's Parameters (a SymbolBlock's own, or the nodes ``convert_model``
+  marked in one). Shadows are held by the block (:class:`Shadows`), not as
+  children.
 * Where a layer synchronizes on the devices its Parameters live on now, a
   **training graph** is made from the traced one: each of its nodes
   replaced by the layer's backend's graph (the native operators take the
@@ -27,6 +29,8 @@ graph is *bound*:
 A block keeps both (:class:`Graphs`, its ``_gluon_syncbn_graphs``) and
 switches between them by the call's mode; ``export()`` writes the traced
 graph without marks (:func:`without_marks`), whatever the last call's mode.
+A graph none of whose layers synchronizes runs as Gluon's call, and
+until the process has made a layer no block is bound at all (``hooks``).
 A graph is bound again when its layers' Parameters move to other devices
 (:meth:`Graphs.moved`) and after Gluon's own clearing (``hybridize()``,
 ``cast``, a new child). In static_shape graphs a training call is stamped
@@ -196,27 +200,6 @@ def check_network(caller, num_devices):
             "expression matching their names>')." % (network.name, num_devices, ', '.join(found)))
 
 
-# ------------------------------------------------------------- placements --
-
-class _Placement(object):
-    """The contexts ``layers`` lived on when a graph was bound: a Parameter
-    placed again (``initialize``, ``reset_ctx``, ``load_parameters(ctx=...)``)
-    gets a new list of contexts, which an identity check per layer sees."""
-
-    def __init__(self, layers):
-        self.contexts = [(layer.gamma, layer.gamma.list_ctx()) for layer in layers]
-
-    def moved(self):
-        """Whether a layer lives on other contexts now."""
-        for param, contexts in self.contexts:
-            try:
-                if param.list_ctx() is not contexts:
-                    return True
-            except RuntimeError:  # not initialized any more
-                return True
-        return False
-
-
 # ---------------------------------------------------------------- shadows --
 
 class Shadows(object):
@@ -354,11 +337,14 @@ class Graphs(object):
 
     A copy of a block starts without graphs (``copy.deepcopy``)."""
 
-    def __init__(self, predict, placement, training=None, backends=(), static=False,
+    def __init__(self, predict, layers=(), training=None, backends=(), static=False,
                  imperative=True):
         self._ops = {False: predict, True: training or predict}
         self.mode = False  # the predict graph is in the block's attributes
-        self.placement = placement
+        # The contexts the layers lived on when bound: a Parameter placed
+        # again (initialize, reset_ctx, load_parameters(ctx=...)) gets a new
+        # list, which an identity check sees.
+        self.contexts = [(layer.gamma, layer.gamma.list_ctx()) for layer in layers]
         self.backends = list(backends)
         names = sorted({b.layer_name for b in self.backends})
         self.names = ', '.join("'%s'" % n for n in names)
@@ -391,7 +377,14 @@ class Graphs(object):
                     self.mode = training
 
     def moved(self):
-        return self.placement.moved()
+        """Whether a layer lives on other contexts than when bound."""
+        for param, contexts in self.contexts:
+            try:
+                if param.list_ctx() is not contexts:
+                    return True
+            except RuntimeError:  # not initialized any more
+                return True
+        return False
 
     def _static_layers(self, ctx):
         found = self.static.get(ctx)
@@ -494,12 +487,11 @@ def _bind(block, args):
     symbol = block._cached_graph[1]
     text = symbol.tojson(remove_amp_cast=False)
     if traced.MARK not in text:
-        return Graphs(predict, _Placement(()))
+        return Graphs(predict)
     graph = traced.graph_of(symbol)
     params = {p.name: p for is_arg, p in block._cached_op_args if not is_arg}
     found = graph_layers(block, graph, params)
     layers = list({id(layer): layer for _, _, layer in found}.values())
-    placement = _Placement(layers)
     backends = {}
     for layer in layers:
         backend = layer._training_backend()
@@ -507,7 +499,7 @@ def _bind(block, args):
             backends[id(layer)] = backend
     nodes = [(i, n, layer, backends[id(layer)]) for i, n, layer in found if id(layer) in backends]
     if not nodes:
-        return Graphs(predict, placement)
+        return Graphs(predict, layers)
     if block._backend:
         _refuse(block, [layer for _, _, layer, _ in nodes],
                 "in a graph partitioned for backend '%s'" % block._backend,
@@ -524,7 +516,7 @@ def _bind(block, args):
         block._cached_graph = traced_graph
         block._cached_op, block._cached_op_args = predict
     tree = {id(b) for b in blocks_of(block)}
-    return Graphs(predict, placement, training, backends.values(), static,
+    return Graphs(predict, layers, training, backends.values(), static,
                   imperative=all(id(layer) in tree for _, _, layer, _ in nodes))
 
 

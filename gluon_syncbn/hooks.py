@@ -13,7 +13,10 @@
   as ``graphs`` binds it, after clearing the errors an aborted step left on
   the layers' arrays (the block does it in imperative mode); ``export()``
   writes the traced graph without marks; a CachedOp or a Module made from a
-  synchronizing graph outside a block's call is refused (``graphs``).
+  synchronizing graph outside a block's call is refused (``graphs``): it
+  would normalize each device's slice alone, silently. Until the process
+  has made a layer (``SyncBatchNorm.made_any``) no graph holds one, and
+  these take MXNet's own path at once.
 * A backward error names our layer only where it is the cause
   (``backward_errors``).
 * A network's first training call that synchronizes is checked for
