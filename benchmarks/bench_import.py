@@ -126,6 +126,20 @@ def bn_calls(cfg):
         for _ in range(cfg['calls']):
             call()
         found[name] = (time.perf_counter() - start) / cfg['calls']
+    if cfg['import_first']:
+        # Python functions of the package a call runs (hooks included): what
+        # the timings cannot resolve on a shared machine, counted.
+        package = os.path.dirname(sys.modules['gluon_syncbn'].__file__)
+        for name, call in (('train', train), ('predict', predict)):
+            count = [0]
+
+            def profile(frame, event, arg, count=count):
+                if event == 'call' and frame.f_code.co_filename.startswith(package):
+                    count[0] += 1
+            sys.setprofile(profile)
+            call()
+            sys.setprofile(None)
+            found['package_calls_' + name] = count[0]
     return found
 
 
@@ -147,7 +161,9 @@ def compare_calls(calls, rounds, timeout=600):
             'ratio': {k: med([w[k] / wo[k] for w, wo in zip(runs[True], runs[False])])
                       for k in ('first', 'train', 'predict')},
             'without': {k: med([r[k] for r in runs[False]]) for k in ('first', 'train', 'predict')},
-            'with': {k: med([r[k] for r in runs[True]]) for k in ('first', 'train', 'predict')},
+            'with': {k: med([r[k] for r in runs[True]]) for k in ('first', 'train', 'predict',
+                                                                  'package_calls_train',
+                                                                  'package_calls_predict')},
             'runs': runs}
     return found
 
@@ -209,14 +225,18 @@ def main():
                  'blocks), 2x3x8x8 input, every call waited for; each number the median over '
                  'fresh processes in turns:', '',
                  '| mode | first training call, ms (without / with) | training call, ms | '
-                 'predict call, ms | with / without: first, training, predict |',
-                 '|---|---|---|---|---|']
+                 'predict call, ms | with / without: first, training, predict | '
+                 'package functions run per training / predict call |',
+                 '|---|---|---|---|---|---|']
         for mode, r in res.items():
-            lines.append('| %s | %.1f / %.1f | %.3f / %.3f | %.3f / %.3f | %.3fx, %.3fx, %.3fx |' % (
-                mode, 1e3 * r['without']['first'], 1e3 * r['with']['first'],
-                1e3 * r['without']['train'], 1e3 * r['with']['train'],
-                1e3 * r['without']['predict'], 1e3 * r['with']['predict'],
-                r['ratio']['first'], r['ratio']['train'], r['ratio']['predict']))
+            lines.append('| %s | %.1f / %.1f | %.3f / %.3f | %.3f / %.3f | %.3fx, %.3fx, %.3fx '
+                         '| %d / %d |' % (
+                             mode, 1e3 * r['without']['first'], 1e3 * r['with']['first'],
+                             1e3 * r['without']['train'], 1e3 * r['with']['train'],
+                             1e3 * r['without']['predict'], 1e3 * r['with']['predict'],
+                             r['ratio']['first'], r['ratio']['train'], r['ratio']['predict'],
+                             r['with']['package_calls_train'],
+                             r['with']['package_calls_predict']))
         print('\n'.join(lines), flush=True)
         run.write('What importing gluon_syncbn costs a network of nn.BatchNorm only, per call '
                   '(bench_import.py --calls)', 'no synchronizing layer (nn.BatchNorm only)',
