@@ -209,7 +209,8 @@ class SyncBatchNorm(nn.BatchNorm):
         memo[id(self._transport)] = self._transport
         # Python's own copy (as without a __deepcopy__: __reduce_ex__, which
         # takes __getstate__).
-        return copy._reconstruct(self, memo, *self.__reduce_ex__(4))  # pylint: disable=protected-access
+        reduced = self.__reduce_ex__(4)
+        return copy._reconstruct(self, memo, *reduced)  # pylint: disable=protected-access
 
     def _deferred_infer_shape(self, *args):
         # Gluon wraps every failure of a deferred initialization in a

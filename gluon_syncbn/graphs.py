@@ -203,8 +203,9 @@ def check_network(caller, num_devices):
 # ---------------------------------------------------------------- shadows --
 
 class Shadows(object):
-    """The shadow layers of a block's graph, by gamma's name (held outside Gluon's containers: a list or dict of
-    Blocks in a block's attributes gets a warning from Gluon)."""
+    """The shadow layers of a block's graph, by gamma's name (held outside
+    Gluon's containers: a list or dict of Blocks in a block's attributes gets
+    a warning from Gluon)."""
 
     def __init__(self):
         self.layers = {}
