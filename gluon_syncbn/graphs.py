@@ -624,7 +624,7 @@ def check_cached_op(symbol):
     builds (``mx.nd.CachedOp``, ``optimize_for``), holds a layer that
     synchronizes: such a CachedOp would run it as ``nn.BatchNorm`` on each
     device alone."""
-    if getattr(_building, 'depth', 0) or not traced.any_layer() \
+    if getattr(_building, 'depth', 0) or not SyncBatchNorm.made_any \
             or traced.MARK not in symbol.tojson(remove_amp_cast=False):
         return
     layers = _synchronizing_layers(symbol)
