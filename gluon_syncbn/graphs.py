@@ -336,7 +336,7 @@ class Graphs(object):
     (Gluon's ``_cached_op`` and ``_cached_op_args``); what static_shape
     graphs need per device; the contexts its layers lived on.
 
-    A copy of a block starts without graphs (``copy.deepcopy``)."""
+    A copy or a pickle of a block starts without graphs."""
 
     def __init__(self, predict, layers=(), training=None, backends=(), static=False,
                  imperative=True):
@@ -360,8 +360,11 @@ class Graphs(object):
         self.trained = set()
         self.network_checked = False  # check_network, at the first training call
 
-    def __deepcopy__(self, memo):
-        return None
+    def __reduce__(self):
+        # A copy or a pickle of the block (after hybridize(False), which
+        # drops Gluon's CachedOp but not these) starts without graphs: they
+        # hold CachedOps, which neither copy nor pickle.
+        return _no_graphs, ()
 
     def current(self, block):
         """Whether ``block``'s CachedOp is the one these graphs put there
@@ -416,6 +419,10 @@ class Graphs(object):
         layers = self._static_layers(ctx)
         if layers.handles:
             session.native.fence(layers.handles, layers.devices, layers.running)
+
+
+def _no_graphs():
+    return None
 
 
 class _StaticLayers(object):

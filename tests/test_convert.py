@@ -291,6 +291,7 @@ def test_copies_pickles_fixed_gamma_and_second_order_gradients_as_nn_batchnorm(p
         assert 'hybridize' not in r['second'], r
         if hybridize:  # MXNet's own refusal, as for nn.BatchNorm's network (README: Limits)
             assert 'ctypes objects containing pointers cannot be pickled' in r['refused'], r
+            assert r['unhybridized_copy'] < 2e-6 and r['unhybridized_pickle'] < 2e-6, r
 
 
 def test_converted_resnet18_trains_on_two_contexts():

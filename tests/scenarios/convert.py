@@ -36,7 +36,8 @@ def drop_in(hybridize=False, seed=0):
     two contexts: a deep copy (inferring as the original; made trainable,
     trained beside the original, each exact against float64 maths and
     neither touching the other's running statistics), a pickle, a copy of a
-    hybridized network that has run (the error), gamma after a training
+    hybridized network that has run (the error; after hybridize(False) a
+    copy and a pickle that predict as it does), gamma after a training
     step with scale=False (stored as nn.BatchNorm stores it), and a
     second-order gradient (the error, then a step that works)."""
     import copy
@@ -102,6 +103,11 @@ def drop_in(hybridize=False, seed=0):
     second, second_type, _ = _capture(lambda: _second_order(net, xs))
     ys, y64 = train(net, (rng.randn(4, 3, 4, 4) + 1e3).astype(np.float32))
     errs.note('after', np.concatenate([y.asnumpy() for y in ys]), y64)
+    if hybridize:  # without its CachedOp a network copies and pickles again
+        net.hybridize(False)
+        errs.note('unhybridized_copy', copy.deepcopy(net)(probe).asnumpy(), net(probe).asnumpy())
+        errs.note('unhybridized_pickle', pickle.loads(pickle.dumps(net))(probe).asnumpy(),
+                  net(probe).asnumpy())
     return dict(errs, refused=refused, gammas=gammas, second=second, second_type=second_type,
                 is_batchnorm=isinstance(net.bn1, gluon.nn.BatchNorm),
                 operator=net.bn1._sync_backend.name)
