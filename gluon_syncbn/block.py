@@ -162,6 +162,7 @@ class SyncBatchNorm(nn.BatchNorm):
             running_mean_initializer=running_mean_initializer,
             running_variance_initializer=running_variance_initializer,
             in_channels=in_channels, **kwargs)
+        SyncBatchNorm.made_any = True
         self._num_devices = num_devices
         self._timeout, self._remote_timeout = timeouts(timeout)
         self._transport = make_transport(kvstore)
@@ -175,6 +176,12 @@ class SyncBatchNorm(nn.BatchNorm):
         self._checked_shape = None  # the input shape the last imperative call checked
         self._input_dtype = 'float32'
         self._network_checked = False  # _network_check, at the first training call
+
+    # Whether this process made a layer (a shadow too): until then no graph
+    # holds one, and the hooks take MXNet's own path at once (a graph marked
+    # in another process and loaded here runs as nn.BatchNorm's: README.md,
+    # "Limits").
+    made_any = False
 
     def _alias(self):
         return 'syncbatchnorm'  # names as before nn.BatchNorm was its base ('batchnorm')
@@ -192,12 +199,18 @@ class SyncBatchNorm(nn.BatchNorm):
         state.update(self._FRESH)
         return state
 
+    def __setstate__(self, state):
+        SyncBatchNorm.made_any = True  # a layer unpickled in a process that made none
+        self.__dict__.update(state)
+
     def __deepcopy__(self, memo):
-        refuse_copy_of_graph(self)
         # The copy shares the transport: one per store, holding locks and the
         # user's kvstore.
         memo[id(self._transport)] = self._transport
-        return deepcopy_as_default(self, memo)
+        # Python's own copy (as without a __deepcopy__: __reduce_ex__, which
+        # takes __getstate__).
+        reduced = self.__reduce_ex__(4)
+        return copy._reconstruct(self, memo, *reduced)  # pylint: disable=protected-access
 
     def _deferred_infer_shape(self, *args):
         # Gluon wraps every failure of a deferred initialization in a
@@ -437,23 +450,3 @@ def is_sync_batchnorm(block):
     """Whether ``block`` is a SyncBatchNorm layer: the one test every module
     uses."""
     return isinstance(block, SyncBatchNorm)
-
-
-def refuse_copy_of_graph(block):
-    """Raise if ``block``, which holds SyncBatchNorm layers, has a cached
-    graph: MXNet's CachedOp cannot be copied (nn.BatchNorm's network fails
-    there too, deep inside ``copy``: "ctypes objects containing pointers
-    cannot be pickled")."""
-    if block._cached_op is not None:
-        raise SyncBatchNormError(
-            "'%s' is hybridized and has run: its cached graph (MXNet's CachedOp) cannot be "
-            "copied, with SyncBatchNorm as with nn.BatchNorm layers. Copy it before its first "
-            "call, or call net.hybridize(False) first (it drops the graph; hybridize the copy "
-            "and the original again after)." % block.name)
-
-
-def deepcopy_as_default(obj, memo):
-    """What ``copy.deepcopy`` does for ``obj`` without a ``__deepcopy__``
-    (its ``__reduce_ex__``, which uses ``__getstate__``): Python's own
-    ``copy._reconstruct``."""
-    return copy._reconstruct(obj, memo, *obj.__reduce_ex__(4))  # pylint: disable=protected-access

@@ -24,7 +24,7 @@ from mxnet.util import is_np_array
 from . import traced
 from .block import SyncBatchNorm, adopt_parameters, is_sync_batchnorm
 from .errors import warn_user
-from .graphs import add_shadow, drop_shadows, keep_per_device
+from .graphs import drop_shadows, keep_per_device, layer_for, own_parameters
 
 __all__ = ['convert_model', 'revert_model']
 
@@ -203,7 +203,7 @@ def _synchronize_graph(block, settings, kept):
     SyncBatchNorm nodes made BatchNorm's) that uses batch statistics and
     takes gamma, beta and the running statistics from the block's
     Parameters, each with a layer of its own (a shadow with the
-    node's arguments and ``settings``, :meth:`SyncBatchNorm.shadow`), as a
+    node's arguments and ``settings``: :func:`.graphs.layer_for`), as a
     SyncBatchNorm's trace would; nodes a live layer of the block's
     Parameters marked already keep their layer; nodes whose name ``kept``
     matches stay per device (:func:`.graphs.keep_per_device`). Warns about
@@ -223,17 +223,13 @@ def _synchronize_graph(block, settings, kept):
         kwargs = traced.node_kwargs(node)
         if kwargs['use_global_stats']:
             continue  # running statistics in training too: nothing to synchronize
-        names = traced.parameter_inputs(graph, node)
-        own = [params.get(n) for n in names] if names else [None]
-        if any(p is None for p in own):
+        own = own_parameters(graph, node, params)
+        if own is None:
             left.append(node['name'])
             continue
-        marking = traced.layer_of(node.get('attrs', {}).get(traced.MARK))
-        if marking is not None and marking.gamma is own[0]:
-            continue
-        layer = SyncBatchNorm.shadow(kwargs, own, **settings)
-        add_shadow(block, layer)
-        tokens[node['name']] = traced.token_of(layer)
+        token = traced.token_of(layer_for(block, node, own, settings))
+        if node.get('attrs', {}).get(traced.MARK) != token:
+            tokens[node['name']] = token
     if left:
         warn_user("convert_model: '%s' is a SymbolBlock whose graph holds batch-norm "
                   "operator(s) it cannot synchronize (%s: BatchNorm_v1, or statistics that "

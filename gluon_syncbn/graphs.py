@@ -10,12 +10,14 @@ graph is *bound*:
 * Gluon's own build makes the CachedOp of the traced graph as it is, the
   graph ``nn.BatchNorm``'s network has: the **predict graph**. It also
   finishes a deferred initialization.
-* Each marked node is resolved to a layer (:func:`graph_layers`): the one
+* Each marked node is resolved to a layer by one rule (:func:`layer_for`,
+  which ``convert_model`` applies to a SymbolBlock's nodes too): the layer
   its mark names, where that layer's ``gamma`` is the Parameter the block
   feeds the node; else a *shadow*, a layer with the node's arguments and
-  the marking layer's settings that adopts the block's Parameters (a
-  SymbolBlock's own, or the nodes ``convert_model`` marked in one). Shadows
-  are held by the block (:class:`Shadows`), not as children.
+  the marking layer's settings (``convert_model``'s) that adopts the
+  block's Parameters (a SymbolBlock's own, or the nodes ``convert_model``
+  marked in one). Shadows are held by the block (:class:`Shadows`), not as
+  children.
 * Where a layer synchronizes on the devices its Parameters live on now, a
   **training graph** is made from the traced one: each of its nodes
   replaced by the layer's backend's graph (the native operators take the
@@ -27,6 +29,8 @@ graph is *bound*:
 A block keeps both (:class:`Graphs`, its ``_gluon_syncbn_graphs``) and
 switches between them by the call's mode; ``export()`` writes the traced
 graph without marks (:func:`without_marks`), whatever the last call's mode.
+A graph none of whose layers synchronizes runs as Gluon's call, and
+until the process has made a layer no block is bound at all (``hooks``).
 A graph is bound again when its layers' Parameters move to other devices
 (:meth:`Graphs.moved`) and after Gluon's own clearing (``hybridize()``,
 ``cast``, a new child). In static_shape graphs a training call is stamped
@@ -55,10 +59,10 @@ from .block import SyncBatchNorm, is_sync_batchnorm
 from .errors import SyncBatchNormError, warn_user
 from .mxnet_private import dtype_name
 
-__all__ = ['blocks_of', 'imperatively', 'layers_of', 'holds_layers', 'run_cached_op',
-           'note_placement', 'without_marks', 'check_cached_op', 'check_module', 'Graphs',
-           'Shadows', 'graph_layers', 'graph_batchnorms', 'keep_per_device',
-           'per_device_batchnorms', 'check_network']
+__all__ = ['blocks_of', 'imperatively', 'layers_of', 'run_cached_op', 'without_marks',
+           'check_cached_op', 'check_module', 'Graphs', 'Shadows', 'own_parameters', 'layer_for',
+           'graph_layers', 'graph_batchnorms', 'keep_per_device', 'per_device_batchnorms',
+           'check_network']
 
 
 # ------------------------------------------------------------ block trees --
@@ -118,14 +122,6 @@ def graph_batchnorms(block):
     return [n for i, n in enumerate(graph['nodes'])
             if i not in resolved and n['op'] in traced.BATCHNORMS
             and not traced.node_kwargs(n)['use_global_stats']]
-
-
-def holds_layers(block):
-    """Whether ``block`` runs a SyncBatchNorm layer: in its tree, or marked
-    in its graph."""
-    return any(is_sync_batchnorm(b) or (isinstance(b, SymbolBlock) and
-                                        traced.has_marks(b._cached_graph[1]))
-               for b in blocks_of(block))
 
 
 # ---------------------------------------------- layers left per device --
@@ -204,47 +200,12 @@ def check_network(caller, num_devices):
             "expression matching their names>')." % (network.name, num_devices, ', '.join(found)))
 
 
-# ------------------------------------------------------------- placements --
-
-# How many times a Parameter was placed on contexts (initialized, moved,
-# loaded onto others): a bound graph knows its layers' devices, and checks
-# them again only when this changed (:meth:`Graphs.moved`).
-_placements = [0]
-
-
-def note_placement():
-    """A Parameter was placed on contexts (``Parameter._init_impl``)."""
-    _placements[0] += 1
-
-
-class _Placement(object):
-    """The contexts ``layers`` lived on when a graph was bound."""
-
-    def __init__(self, layers):
-        self.count = _placements[0]
-        self.contexts = [(layer.gamma, layer.gamma.list_ctx()) for layer in layers]
-
-    def moved(self):
-        """Whether a layer lives on other contexts now (``reset_ctx``,
-        ``initialize(..., force_reinit=True)``, ``load_parameters(ctx=...)``)."""
-        if self.count == _placements[0]:
-            return False
-        for param, contexts in self.contexts:
-            try:
-                if param.list_ctx() is not contexts:
-                    return True
-            except RuntimeError:  # not initialized any more
-                return True
-        self.count = _placements[0]
-        return False
-
-
 # ---------------------------------------------------------------- shadows --
 
 class Shadows(object):
-    """The shadow layers of a block's graph, by the token of the node's mark
-    and gamma's name (held outside Gluon's containers: a list or dict of
-    Blocks in a block's attributes gets a warning from Gluon)."""
+    """The shadow layers of a block's graph, by gamma's name (held outside
+    Gluon's containers: a list or dict of Blocks in a block's attributes gets
+    a warning from Gluon)."""
 
     def __init__(self):
         self.layers = {}
@@ -262,11 +223,6 @@ def shadows_of(block):
     if shadows is None:
         shadows = block.__dict__['_gluon_syncbn_shadows'] = Shadows()
     return shadows
-
-
-def add_shadow(block, layer):
-    """Hold ``layer``, a shadow for a node marked with its own token."""
-    shadows_of(block).layers[(traced.token_of(layer), layer.gamma.name)] = layer
 
 
 def drop_shadows(block):
@@ -294,13 +250,42 @@ def _refuse(block, layers, where, fix):
         % (block.name, ', '.join("'%s'" % l.name for l in layers), where, fix))
 
 
+def own_parameters(graph, node, params):
+    """The Parameters (of ``params``, by name) ``node`` takes as gamma, beta
+    and the running statistics, or None where one of them is none of
+    ``params`` (computed by an operator, or fed as an input)."""
+    names = traced.parameter_inputs(graph, node)
+    own = [params.get(n) for n in names] if names else [None]
+    return None if any(p is None for p in own) else own
+
+
+def layer_for(block, node, own, settings=None):
+    """The one rule that resolves a batch-norm node of ``block``'s graph,
+    fed the Parameters ``own``, to the layer it runs as: the live layer its
+    mark names, where that layer's gamma is ``own``'s; else a shadow held by
+    ``block``: made anew with ``settings`` where given (``convert_model``'s),
+    else the one made before, or one with the marking layer's settings
+    (default ones where the mark names no live layer). A shadow has the
+    node's arguments (:meth:`SyncBatchNorm.shadow`)."""
+    marking = traced.layer_of(node.get('attrs', {}).get(traced.MARK))
+    if marking is not None and marking.gamma is own[0]:
+        return marking
+    shadows = shadows_of(block).layers
+    layer = shadows.get(own[0].name)
+    if settings is not None or layer is None or layer.gamma is not own[0]:
+        layer = shadows[own[0].name] = SyncBatchNorm.shadow(
+            traced.node_kwargs(node), own, **(settings or {'template': marking}))
+    return layer
+
+
 def graph_layers(block, graph, params):
     """``[(index, node, layer)]``: the marked nodes of ``graph``, ``block``'s
-    traced graph as JSON, and the layer each runs as, given the Parameters
-    ``block`` feeds its graph (``params``, by name). Raises where a node of
-    a layer that would synchronize cannot: inside a subgraph (a control-flow
-    operator's, or a graph partitioned by ``hybridize(backend=...)``), or
-    fed gamma, beta or the running statistics by operators."""
+    traced graph as JSON, and the layer each runs as (:func:`layer_for`),
+    given the Parameters ``block`` feeds its graph (``params``, by name).
+    Raises where a node of a layer that would synchronize cannot: inside a
+    subgraph (a control-flow operator's, or a graph partitioned by
+    ``hybridize(backend=...)``), or fed gamma, beta or the running
+    statistics by operators."""
     contexts = _contexts_of(params.values())
 
     def synchronizes(layer):
@@ -311,29 +296,18 @@ def graph_layers(block, graph, params):
         _refuse(block, hidden, "inside a control-flow operator's subgraph (or a graph "
                 "partitioned by hybridize(backend=...))", 'Call them outside control-flow '
                 'operators, and hybridize without a backend.')
-    shadows = shadows_of(block).layers
     found = []
     for index, node in traced.marked(graph):
-        token = node['attrs'][traced.MARK]
-        marking = traced.layer_of(token)
-        names = traced.parameter_inputs(graph, node)
-        own = [params.get(n) for n in names] if names else [None]
-        if any(p is None for p in own):
+        own = own_parameters(graph, node, params)
+        if own is None:
+            marking = traced.layer_of(node['attrs'][traced.MARK])
             if synchronizes(marking):
                 _refuse(block, [marking], "on gamma, beta or running statistics that are no "
                         "Parameters of the block (computed by operators, or fed as inputs)",
                         'Give the SymbolBlock the Parameters: gluon.SymbolBlock(outputs, '
                         'inputs, params=net.collect_params()).')
             continue  # it stays nn.BatchNorm's node
-        if marking is not None and marking.gamma is own[0]:
-            found.append((index, node, marking))
-            continue
-        key = (token, own[0].name)
-        layer = shadows.get(key)
-        if layer is None or layer.gamma is not own[0]:
-            layer = shadows[key] = SyncBatchNorm.shadow(traced.node_kwargs(node), own,
-                                                        template=marking)
-        found.append((index, node, layer))
+        found.append((index, node, layer_for(block, node, own)))
     return found
 
 
@@ -362,13 +336,16 @@ class Graphs(object):
     (Gluon's ``_cached_op`` and ``_cached_op_args``); what static_shape
     graphs need per device; the contexts its layers lived on.
 
-    A copy of a block starts without graphs (``copy.deepcopy``)."""
+    A copy or a pickle of a block starts without graphs."""
 
-    def __init__(self, predict, placement, training=None, backends=(), static=False,
+    def __init__(self, predict, layers=(), training=None, backends=(), static=False,
                  imperative=True):
         self._ops = {False: predict, True: training or predict}
         self.mode = False  # the predict graph is in the block's attributes
-        self.placement = placement
+        # The contexts the layers lived on when bound: a Parameter placed
+        # again (initialize, reset_ctx, load_parameters(ctx=...)) gets a new
+        # list, which an identity check sees.
+        self.contexts = [(layer.gamma, layer.gamma.list_ctx()) for layer in layers]
         self.backends = list(backends)
         names = sorted({b.layer_name for b in self.backends})
         self.names = ', '.join("'%s'" % n for n in names)
@@ -383,8 +360,11 @@ class Graphs(object):
         self.trained = set()
         self.network_checked = False  # check_network, at the first training call
 
-    def __deepcopy__(self, memo):
-        return None
+    def __reduce__(self):
+        # A copy or a pickle of the block (after hybridize(False), which
+        # drops Gluon's CachedOp but not these) starts without graphs: they
+        # hold CachedOps, which neither copy nor pickle.
+        return _no_graphs, ()
 
     def current(self, block):
         """Whether ``block``'s CachedOp is the one these graphs put there
@@ -401,7 +381,14 @@ class Graphs(object):
                     self.mode = training
 
     def moved(self):
-        return self.placement.moved()
+        """Whether a layer lives on other contexts than when bound."""
+        for param, contexts in self.contexts:
+            try:
+                if param.list_ctx() is not contexts:
+                    return True
+            except RuntimeError:  # not initialized any more
+                return True
+        return False
 
     def _static_layers(self, ctx):
         found = self.static.get(ctx)
@@ -432,6 +419,10 @@ class Graphs(object):
         layers = self._static_layers(ctx)
         if layers.handles:
             session.native.fence(layers.handles, layers.devices, layers.running)
+
+
+def _no_graphs():
+    return None
 
 
 class _StaticLayers(object):
@@ -504,12 +495,11 @@ def _bind(block, args):
     symbol = block._cached_graph[1]
     text = symbol.tojson(remove_amp_cast=False)
     if traced.MARK not in text:
-        return Graphs(predict, _Placement(()))
+        return Graphs(predict)
     graph = traced.graph_of(symbol)
     params = {p.name: p for is_arg, p in block._cached_op_args if not is_arg}
     found = graph_layers(block, graph, params)
     layers = list({id(layer): layer for _, _, layer in found}.values())
-    placement = _Placement(layers)
     backends = {}
     for layer in layers:
         backend = layer._training_backend()
@@ -517,7 +507,7 @@ def _bind(block, args):
             backends[id(layer)] = backend
     nodes = [(i, n, layer, backends[id(layer)]) for i, n, layer in found if id(layer) in backends]
     if not nodes:
-        return Graphs(predict, placement)
+        return Graphs(predict, layers)
     if block._backend:
         _refuse(block, [layer for _, _, layer, _ in nodes],
                 "in a graph partitioned for backend '%s'" % block._backend,
@@ -534,7 +524,7 @@ def _bind(block, args):
         block._cached_graph = traced_graph
         block._cached_op, block._cached_op_args = predict
     tree = {id(b) for b in blocks_of(block)}
-    return Graphs(predict, placement, training, backends.values(), static,
+    return Graphs(predict, layers, training, backends.values(), static,
                   imperative=all(id(layer) in tree for _, _, layer, _ in nodes))
 
 
@@ -568,7 +558,9 @@ def run_cached_op(block, args, call, training, session):
     feed it one dtype in a step; an empty slice run imperatively."""
     session.separate_this_thread()
     graphs = _graphs_for(block, args, training)
-    if training and graphs.backends and not graphs.network_checked:
+    if not graphs.backends:  # no layer in it synchronizes: Gluon's call as it is
+        return call(block, *args)
+    if training and not graphs.network_checked:
         graphs.network_checked = True
         check_network(block, graphs.num_devices)
     session.clear_failed_arrays()
@@ -581,7 +573,7 @@ def run_cached_op(block, args, call, training, session):
             graphs.stamp(ctx, session)
         elif ctx in graphs.trained:
             graphs.fence(ctx, session)
-    if training and graphs.backends and args and hasattr(args[0], 'dtype'):
+    if training and args and hasattr(args[0], 'dtype'):
         session.check_dtypes(block, graphs.names, graphs.num_devices, args[0].context,
                              dtype_name(args[0].dtype))
         if any(getattr(a, 'size', 1) == 0 for a in args):
@@ -639,7 +631,7 @@ def check_cached_op(symbol):
     builds (``mx.nd.CachedOp``, ``optimize_for``), holds a layer that
     synchronizes: such a CachedOp would run it as ``nn.BatchNorm`` on each
     device alone."""
-    if getattr(_building, 'depth', 0) or not traced.any_layer() \
+    if getattr(_building, 'depth', 0) or not SyncBatchNorm.made_any \
             or traced.MARK not in symbol.tojson(remove_amp_cast=False):
         return
     layers = _synchronizing_layers(symbol)
@@ -657,7 +649,8 @@ def check_module(symbol, contexts):
     """Raise if a Module on several ``contexts`` would run ``symbol``, which
     holds marked layers: it binds one executor per context, each a
     BatchNorm of its own slice."""
-    if len(contexts) < 2 or traced.MARK not in symbol.tojson(remove_amp_cast=False):
+    if len(contexts) < 2 or not SyncBatchNorm.made_any \
+            or traced.MARK not in symbol.tojson(remove_amp_cast=False):
         return
     graph = traced.graph_of(symbol)
     nodes = [n for _, n in traced.marked(graph)] + traced.marked_in_subgraphs(graph)

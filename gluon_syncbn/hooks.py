@@ -13,7 +13,10 @@
   as ``graphs`` binds it, after clearing the errors an aborted step left on
   the layers' arrays (the block does it in imperative mode); ``export()``
   writes the traced graph without marks; a CachedOp or a Module made from a
-  synchronizing graph outside a block's call is refused (``graphs``).
+  synchronizing graph outside a block's call is refused (``graphs``): it
+  would normalize each device's slice alone, silently. Until the process
+  has made a layer (``SyncBatchNorm.made_any``) no graph holds one, and
+  these take MXNet's own path at once.
 * A backward error names our layer only where it is the cause
   (``backward_errors``).
 * A network's first training call that synchronizes is checked for
@@ -46,7 +49,7 @@ import mxnet as mx
 
 from . import graphs, messages, transport
 from .backward_errors import as_ours
-from .block import deepcopy_as_default, refuse_copy_of_graph, use_network_check
+from .block import SyncBatchNorm, use_network_check
 from .errors import SyncBatchNormError, ours_behind
 from .session import SESSION
 
@@ -190,22 +193,6 @@ def install_exit_abort_hook(session, waitall):
     atexit.register(abort_at_exit)
 
 
-def install_parameter_hook(parameter_class):
-    """Count placements of Parameters (``_init_impl``: ``initialize``,
-    ``reset_ctx``, ``load_parameters(ctx=...)``): a bound graph checks its
-    layers' devices again only when the count changed (``graphs``)."""
-    if getattr(parameter_class, '_gluon_syncbn_hooked', False):
-        return
-    original = parameter_class._init_impl
-
-    def _init_impl(self, *args, **kwargs):
-        graphs.note_placement()
-        return original(self, *args, **kwargs)
-
-    parameter_class._init_impl = _init_impl
-    parameter_class._gluon_syncbn_hooked = True
-
-
 def install_cached_op_hook(hybrid_block_class, session, is_training):
     """Before a cached graph runs: the block's graphs bound and the one of
     the call's mode in place, the call prepared (``graphs.run_cached_op``);
@@ -215,6 +202,8 @@ def install_cached_op_hook(hybrid_block_class, session, is_training):
     original = hybrid_block_class._call_cached_op
 
     def _call_cached_op(self, *args):
+        if not SyncBatchNorm.made_any:  # no graph can hold a layer
+            return original(self, *args)
         try:
             return graphs.run_cached_op(self, args, original, bool(is_training()), session)
         except (mx.base.MXNetError, ValueError) as exc:
@@ -241,6 +230,8 @@ def install_export_hook(hybrid_block_class):
     original = hybrid_block_class.export
 
     def export(self, path, epoch=0, remove_amp_cast=True):
+        if not SyncBatchNorm.made_any:
+            return original(self, path, epoch, remove_amp_cast)
         with graphs.without_marks(self):
             return original(self, path, epoch, remove_amp_cast)
 
@@ -275,21 +266,6 @@ def install_unbound_graph_hooks(cached_op_class, executor_group_class):
     cached_op_class.__init__ = __init__
     executor_group_class.__init__ = group__init__
     cached_op_class._gluon_syncbn_hooked = True
-
-
-def install_deepcopy_hook(hybrid_block_class):
-    """``copy.deepcopy`` of a hybridized block that holds SyncBatchNorm
-    layers and has a cached graph raises our error, saying why; any other
-    copy is Python's own."""
-    if '__deepcopy__' in vars(hybrid_block_class):
-        return
-
-    def __deepcopy__(self, memo):
-        if graphs.holds_layers(self):
-            refuse_copy_of_graph(self)
-        return deepcopy_as_default(self, memo)
-
-    hybrid_block_class.__deepcopy__ = __deepcopy__
 
 
 def install_grad_hooks(autograd_module, ndarray_class, session):
@@ -394,8 +370,6 @@ def install():
     install_cached_op_hook(mx.gluon.HybridBlock, SESSION, mx.autograd.is_training)
     install_export_hook(mx.gluon.HybridBlock)
     install_unbound_graph_hooks(mx.nd.CachedOp, mx.module.executor_group.DataParallelExecutorGroup)
-    install_parameter_hook(mx.gluon.Parameter)
-    install_deepcopy_hook(mx.gluon.HybridBlock)
     install_grad_hooks(mx.autograd, mx.nd.NDArray, SESSION)
     install_trainer_hook(mx.gluon.Trainer, SESSION, mx.nd.waitall)
     install_read_hooks(mx.nd.NDArray, (mx.nd, mx.nd.ndarray), SESSION)

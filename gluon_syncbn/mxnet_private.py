@@ -134,8 +134,7 @@ Gluon's private fields, read and written
     ``export`` writes from, and ``convert._synchronize_graph`` /
     ``_unsynchronize_graph``, which mark and strip a SymbolBlock's),
     ``_cached_op`` and ``_cached_op_args`` (``(is_arg, Parameter)`` pairs;
-    ``graphs`` keeps one pair per mode and swaps them, ``block.refuse_copy_of_graph``
-    reads it), ``_build_cache`` (``graphs._gluon_build``: it traces, finishes
+    ``graphs`` keeps one pair per mode and swaps them), ``_build_cache`` (``graphs._gluon_build``: it traces, finishes
     a deferred initialization and builds a CachedOp of whatever Symbol
     ``_cached_graph`` holds, with the ``_in_format``/``_out_format`` both
     modes share), ``_clear_cached_op`` (SymbolBlock's keeps
@@ -167,6 +166,10 @@ Gluon's private fields, read and written
     the private ``nn.basic_layers._BatchNorm`` (``graphs``, ``convert``),
     contrib's layer by its ``_kwargs``' ``ndev``. **Tests**.
     ``Trainer._params_to_init`` (``hooks.install_trainer_hook``).
+    ``Parameter.list_ctx()`` returns the Parameter's own list, which Gluon
+    replaces whenever it places the Parameter again (initialize,
+    ``reset_ctx``, a load onto other contexts): a bound graph compares it,
+    by identity, with the list it was bound for (``Graphs.moved``).
     ``CachedOp.handle`` set to None when its construction is refused, so
     ``__del__`` frees nothing (``hooks.install_unbound_graph_hooks``).
     **Tests**.
@@ -195,12 +198,7 @@ temp space above)
     ``HybridBlock.export``, ``CachedOp.__init__``,
     ``module.executor_group.DataParallelExecutorGroup.__init__``,
     ``Trainer._init_params`` (the first step's broadcast of every parameter
-    from device 0 drains the engine first), ``Parameter._init_impl``
-    (initialize, ``reset_ctx``, a load onto other contexts: counted, and a
-    bound graph compares ``Parameter.list_ctx()`` with its own),
-    ``HybridBlock.__deepcopy__`` (Gluon defines none: refuses a network with
-    a cached graph and SyncBatchNorm layers, else copies as Python does,
-    ``copy._reconstruct``), ``autograd.grad``, ``autograd.backward`` and
+    from device 0 drains the engine first), ``autograd.grad``, ``autograd.backward`` and
     ``NDArray.backward`` (our error for a higher-order gradient MXNet
     refuses through our layers, ``backward_errors``, reading the recorded
     graph, ``autograd.get_symbol``, for the layers' handles and the autograd

@@ -21,7 +21,7 @@ import weakref
 
 from .mxnet_private import dtype_name
 
-__all__ = ['MARK', 'token_of', 'layer_of', 'any_layer', 'has_marks', 'graph_of', 'symbol_of',
+__all__ = ['MARK', 'token_of', 'layer_of', 'has_marks', 'graph_of', 'symbol_of',
            'marked', 'marked_in_subgraphs', 'strip', 'mark', 'parameter_inputs', 'node_kwargs',
            'splice', 'entry_attributes']
 
@@ -60,12 +60,6 @@ def token_of(layer):
 def layer_of(token):
     """The live layer ``token`` names in this process, or None."""
     return _LAYERS.get(token)
-
-
-def any_layer():
-    """Whether a layer that was traced in this process lives (a mark names
-    a layer only then)."""
-    return len(_LAYERS) > 0
 
 
 def has_marks(symbol):

@@ -257,6 +257,19 @@ def test_symbol_blocks_nodes_it_cannot_synchronize_are_named():
     assert traced.has_marks(outer._cached_graph[1])  # traced again, with the marks
 
 
+def test_a_network_unpickled_before_any_layer_is_made_synchronizes(tmp_path):
+    """Until a process makes a layer, a hybridized block's call is Gluon's
+    alone; a network of layers unpickled there (made by no constructor)
+    synchronizes all the same: output and every device's running
+    statistics as float64 maths on the whole batch."""
+    path = str(tmp_path / 'net.pickle')
+    run_scenario('pickle_network', path=path)
+    r = run_scenario('unpickled_network', path=path)
+    assert not r['made_before'] and not r['plain_bound'], r
+    assert r['hybridized'] and r['bound'], r
+    assert r['output'] < 2e-6 and r['running'] < 2e-6, r
+
+
 @pytest.mark.parametrize('path', ['async', 'exchange', 'exchange-device'])
 def test_copies_pickles_fixed_gamma_and_second_order_gradients_as_nn_batchnorm(path):
     """copy.deepcopy and pickle of a network (a copy trains on its own,
@@ -276,9 +289,9 @@ def test_copies_pickles_fixed_gamma_and_second_order_gradients_as_nn_batchnorm(p
         assert re.match(r"SyncBatchNorm '_bnstack\d_syncbatchnorm0', '_bnstack\d_syncbatchnorm1'"
                         r".* does not support higher-order gradients", r['second']), r
         assert 'hybridize' not in r['second'], r
-        if hybridize:
-            assert re.match(r"'_bnstack\d' is hybridized and has run: its cached graph",
-                            r['refused']), r
+        if hybridize:  # MXNet's own refusal, as for nn.BatchNorm's network (README: Limits)
+            assert 'ctypes objects containing pointers cannot be pickled' in r['refused'], r
+            assert r['unhybridized_copy'] < 2e-6 and r['unhybridized_pickle'] < 2e-6, r
 
 
 def test_converted_resnet18_trains_on_two_contexts():

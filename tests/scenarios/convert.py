@@ -36,7 +36,8 @@ def drop_in(hybridize=False, seed=0):
     two contexts: a deep copy (inferring as the original; made trainable,
     trained beside the original, each exact against float64 maths and
     neither touching the other's running statistics), a pickle, a copy of a
-    hybridized network that has run (the error), gamma after a training
+    hybridized network that has run (the error; after hybridize(False) a
+    copy and a pickle that predict as it does), gamma after a training
     step with scale=False (stored as nn.BatchNorm stores it), and a
     second-order gradient (the error, then a step that works)."""
     import copy
@@ -102,9 +103,61 @@ def drop_in(hybridize=False, seed=0):
     second, second_type, _ = _capture(lambda: _second_order(net, xs))
     ys, y64 = train(net, (rng.randn(4, 3, 4, 4) + 1e3).astype(np.float32))
     errs.note('after', np.concatenate([y.asnumpy() for y in ys]), y64)
+    if hybridize:  # without its CachedOp a network copies and pickles again
+        net.hybridize(False)
+        errs.note('unhybridized_copy', copy.deepcopy(net)(probe).asnumpy(), net(probe).asnumpy())
+        errs.note('unhybridized_pickle', pickle.loads(pickle.dumps(net))(probe).asnumpy(),
+                  net(probe).asnumpy())
     return dict(errs, refused=refused, gammas=gammas, second=second, second_type=second_type,
                 is_batchnorm=isinstance(net.bn1, gluon.nn.BatchNorm),
                 operator=net.bn1._sync_backend.name)
+
+
+@scenario
+def pickle_network(path, hybridize=True):
+    """Two layers (a _BNStack) on two contexts, hybridized as ``hybridize``
+    says and never called, pickled to ``path``."""
+    import pickle
+    net = _ready(_BNStack(30.0), contexts(2), hybridize)
+    with open(path, 'wb') as f:
+        pickle.dump(net, f)
+    return {}
+
+
+@scenario
+def unpickled_network(path, seed=0):
+    """A hybridized nn.BatchNorm network called (nothing of ours binds its
+    graph: this process has made no layer), then the network
+    ``pickle_network`` wrote, unpickled before this process makes a layer of
+    its own, trained for a step on two contexts (split 1 + 3) on data 1e3
+    from zero: output and every device's running statistics against
+    float64 maths on the whole batch."""
+    import pickle
+    rng = np.random.RandomState(seed)
+    ctxs = contexts(2)
+    plain = gluon.nn.HybridSequential()
+    plain.add(gluon.nn.Conv2D(3, 1), gluon.nn.BatchNorm())
+    plain.initialize(ctx=ctxs[0])
+    plain.hybridize()
+    plain(mx.nd.ones((2, 3, 4, 4), ctx=ctxs[0])).asnumpy()
+    made_before = SyncBatchNorm.made_any
+    with open(path, 'rb') as f:
+        net = pickle.load(f)
+    net.collect_params().reset_ctx(ctxs)  # gradients attached
+    x = (rng.randn(4, 3, 4, 4) + 1e3).astype(np.float32)
+    with autograd.record():
+        ys = [net(mx.nd.array(p, ctx=c)) for p, c in zip(split_batch(x, [1, 3]), ctxs)]
+    autograd.backward(ys)
+    y64, batch = _two_layers_float64(x)
+    errs = WorstErrors()
+    errs.note('output', np.concatenate([y.asnumpy() for y in ys]), y64)
+    for bn, (mean, var) in zip((net.bn1, net.bn2), batch):
+        for c in ctxs:
+            errs.note('running', bn.running_mean.data(c).asnumpy(), 0.1 * mean)
+            errs.note('running', bn.running_var.data(c).asnumpy(), 0.9 + 0.1 * var)
+    return dict(errs, made_before=made_before, hybridized=bool(net._active),
+                plain_bound='_gluon_syncbn_graphs' in plain.__dict__,
+                bound='_gluon_syncbn_graphs' in net.__dict__)
 
 
 @scenario
