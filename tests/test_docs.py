@@ -66,6 +66,7 @@ EXTERNAL = {
     'batch_norm.cu': 'src/operator/nn/batch_norm.cu',
     'cudnn/cudnn_batch_norm-inl.h': 'src/operator/nn/cudnn/cudnn_batch_norm-inl.h',
     'custom-inl.h': 'src/operator/custom/custom-inl.h',
+    'lib_api.h': 'include/mxnet/lib_api.h',
     'libinfo.py': 'python/mxnet/libinfo.py',
     'mxnet/libinfo.py': 'python/mxnet/libinfo.py',
     'mxnet/tools/launch.py': 'tools/launch.py',   # the wheel's copy
