@@ -365,10 +365,11 @@ class Graphs(object):
     A copy of a block starts without graphs (``copy.deepcopy``)."""
 
     def __init__(self, predict, placement, training=None, backends=(), static=False,
-                 imperative=True):
+                 imperative=True, arguments=()):
         self._ops = {False: predict, True: training or predict}
         self.mode = False  # the predict graph is in the block's attributes
         self.placement = placement
+        self.arguments = arguments  # (layer, its eps and momentum in the training graph)
         self.backends = list(backends)
         names = sorted({b.layer_name for b in self.backends})
         self.names = ', '.join("'%s'" % n for n in names)
@@ -401,7 +402,11 @@ class Graphs(object):
                     self.mode = training
 
     def moved(self):
-        return self.placement.moved()
+        """Whether the graphs must be bound again: a layer lives on other
+        contexts now, or the user changed its eps or momentum (a momentum
+        schedule), which the training graph's operators take as arguments."""
+        return self.placement.moved() or any(_arguments(layer) != bound
+                                             for layer, bound in self.arguments)
 
     def _static_layers(self, ctx):
         found = self.static.get(ctx)
@@ -488,13 +493,19 @@ def _training_symbol(block, symbol, graph, nodes, args, params, static):
         def make(placeholders):
             data, *params = [mx.sym.var(n) for n in placeholders]
             with mx.name.Prefix(prefix):
-                out = backend.forward(mx.sym, data, Params(*params),
-                                      Call(dtype, static, traced_ndim(shape), known))
+                out = backend.forward(mx.sym, data, Params(*params), Call(
+                    dtype, static, traced_ndim(shape), known, *_arguments(layer)))
                 return mx.sym.relu(out, name='relu') if node['op'] in traced.WITH_RELU else out
         return make
     return traced.splice(graph, {index: replacement(node, layer, backend, *attributes)
                                  for (index, node, layer, backend), attributes
                                  in zip(nodes, found)}, symbol)
+
+
+def _arguments(layer):
+    """``layer``'s eps and momentum, which its training graph's operators
+    take as arguments (as ``nn.BatchNorm``'s node does)."""
+    return layer._kwargs['eps'], layer._kwargs['momentum']
 
 
 def _bind(block, args):
@@ -535,18 +546,19 @@ def _bind(block, args):
         block._cached_op, block._cached_op_args = predict
     tree = {id(b) for b in blocks_of(block)}
     return Graphs(predict, placement, training, backends.values(), static,
-                  imperative=all(id(layer) in tree for _, _, layer, _ in nodes))
+                  imperative=all(id(layer) in tree for _, _, layer, _ in nodes),
+                  arguments=[(layer, _arguments(layer)) for _, _, layer, _ in nodes])
 
 
 def _graphs_for(block, args, training):
     """``block``'s :class:`Graphs`, bound now if need be, with the graph for
     ``training`` (or predict) mode in its attributes."""
-    graphs = block.__dict__.get('_gluon_syncbn_graphs')
+    before = graphs = block.__dict__.get('_gluon_syncbn_graphs')
     if graphs is not None and graphs.current(block):
         if not graphs.moved():
             graphs.use(block, training)
             return graphs
-        block._cached_op = None  # bound for the devices its layers lived on before
+        block._cached_op = None  # bound for other devices, or another eps or momentum
     try:
         if block._cached_op is None:
             _gluon_build(block, args)
@@ -554,6 +566,10 @@ def _graphs_for(block, args, training):
     except BaseException:
         block._clear_cached_op()  # nothing half-bound: the next call binds again
         raise
+    if before is not None:
+        # A predict call after the training calls of the graph before is
+        # fenced all the same (a new eps or momentum between them).
+        graphs.trained = before.trained
     block.__dict__['_gluon_syncbn_graphs'] = graphs
     graphs.use(block, training)
     return graphs
@@ -563,7 +579,6 @@ def run_cached_op(block, args, call, training, session):
     """``call(block, *args)``, Gluon's run of ``block``'s CachedOp, with the
     graph of the mode (``training``) bound; the network checked at its first
     training call that synchronizes; a failed step's errors cleared;
-    the layers' eps and momentum followed;
     a static_shape graph's call stamped or fenced; every device checked to
     feed it one dtype in a step; an empty slice run imperatively."""
     session.separate_this_thread()
@@ -572,9 +587,6 @@ def run_cached_op(block, args, call, training, session):
         graphs.network_checked = True
         check_network(block, graphs.num_devices)
     session.clear_failed_arrays()
-    if training:
-        for backend in graphs.backends:  # eps and momentum, as the user set them now
-            backend.follow_arguments()
     if graphs.static is not None and args and hasattr(args[0], 'context'):
         ctx = str(args[0].context)
         if training:

@@ -99,9 +99,9 @@ Traced graphs (``traced``, ``graphs``)
 
 The layer's base (``block.SyncBatchNorm``, ``convert.py``)
     ``nn.BatchNorm``'s constructor makes the parameters and ``_kwargs`` the
-    operators take (its ``eps`` and ``momentum`` followed where users change
-    them between steps: ``Backend.follow_arguments``); its ``_alias`` is
-    'batchnorm', ours 'syncbatchnorm'. Its ``_deferred_infer_shape`` is
+    operators take (its ``eps`` and ``momentum`` read at each call, a graph
+    bound again where users change them: ``graphs.Graphs.moved``); its
+    ``_alias`` is 'batchnorm', ours 'syncbatchnorm'. Its ``_deferred_infer_shape`` is
     overridden: Gluon wraps any failure of a deferred initialization in a
     ValueError about shapes, and ours are re-raised unwrapped
     (``errors.ours_behind``). ``Parameter._data`` is None until a parameter

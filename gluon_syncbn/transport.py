@@ -91,18 +91,19 @@ class _CrossProcessTransport(object):
         return self.twin
 
     def agree_on_layer(self, lib, layer, devices):
-        """Before ``layer``'s backend on ``devices`` is made: every worker's
-        layer made in its place must have the same sync_groups (with, where
-        they are explicit, as many devices to number) and name, Gluon's
-        counters aside (:func:`matched_name`), or every worker raises the
-        same error, before the sync groups are worked out. (Its channels and
-        dtype are compared at its first call, before its keys are made:
-        ``native/remote.h``, ``attach_remote``.)"""
-        explicit = layer._sync_groups is not None
-        _exit_state['timeout'] = max(_exit_state['timeout'], layer._remote_timeout)
+        """Before the backend of ``layer`` (a :class:`~.backends.base.Layer`)
+        on ``devices`` is made: every worker's layer made in its place must
+        have the same sync_groups (with, where they are explicit, as many
+        devices to number) and name, Gluon's counters aside
+        (:func:`matched_name`), or every worker raises the same error, before
+        the sync groups are worked out. (Its channels and dtype are compared
+        at its first call, before its keys are made: ``native/remote.h``,
+        ``attach_remote``.)"""
+        explicit = layer.sync_groups is not None
+        _exit_state['timeout'] = max(_exit_state['timeout'], layer.remote_timeout)
         error = lib.compare_layer(self.make_native(lib), layer.name, matched_name(layer.name),
-                                  len(devices) if explicit else 0, repr(layer._sync_groups),
-                                  layer._remote_timeout)
+                                  len(devices) if explicit else 0, repr(layer.sync_groups),
+                                  layer.remote_timeout)
         if error:
             raise SyncBatchNormError(error)
 
