@@ -133,7 +133,7 @@ AMP (``backends/vector_graph.py``, :func:`amp_initialized`)
     once, and says so in ``amp._amp_initialized``: only graphs traced after
     it can be fed float16 they do not declare.
 
-The user's kvstore (``hooks.wrap_kvstore``)
+The user's kvstore (``transport.wrap_kvstore``)
     Its methods are wrapped to take one lock, and ``init``/``broadcast`` drain
     the engine: 1.9.1's dist kvstore keeps per-key buffers in unguarded maps.
     Its ``set_gradient_compression`` raises: 1.9.1 compresses every key of a
@@ -155,7 +155,7 @@ The kvstore server and ps-lite (``native/session.h``, ``transport.h``, ``transpo
     scheduler no longer answers at ``DMLC_PS_ROOT_URI:DMLC_PS_ROOT_PORT``
     ends itself (``watch_helpers``).
 
-Python (``hooks.install_exit_guard``, at the first cross-process layer's construction)
+Python (``transport._guard_exit``, at the first cross-process layer's construction)
     ``sys.excepthook``, ``sys.exit`` and the builtin ``SystemExit`` are
     replaced (the last by a subclass), and an ``atexit`` handler added, so a
     worker learns how its script ended and ends at once when it failed
