@@ -118,7 +118,7 @@ The layer's base (``block.SyncBatchNorm``, ``convert.py``)
     no_higher_order), reading the layer from its forward node, the backward
     node's control dependency, where MXNet keeps it.
 
-Size-0 arrays (``VectorBackend._empty_slice`` in ``backends/vector_graph.py``, the operators)
+Size-0 arrays (``ExchangeBackend._empty_slice`` in ``backends/vector_graph.py``, the operators)
     ``reshape`` with -1 divides by zero, reductions give NaN forward and leave
     their gradient outputs unwritten, ``broadcast_add``'s backward segfaults.
 
