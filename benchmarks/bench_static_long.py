@@ -2,8 +2,8 @@
 
 Static graphs keep the temp-space slot of their first call; from one pool
 shared by every CPU context, each turn of the pool would hand a held slot to
-another device and training would stall (docs/findings.md, "static graphs
-stalled every N/K steps on CPU contexts"), hence a pool per context
+another device and training would stall (docs/findings.md, "Static graphs
+stalled every N/K steps"), hence a pool per context
 (``native/cpu_resources.h``). This trains model-zoo ``resnet18_v1`` through
 ``convert_model`` on N CPU contexts for ``--steps`` steps in each mode:
 ``static_shape`` (``static_alloc=True, static_shape=True``, which stalled) and

@@ -1,14 +1,14 @@
 """The wording of every failure the native library reports, and of those
 Python reports too, in one place.
 
-A template's fields are ``{name}``; values arrive formatted (numbers with
-``%g``, lists joined with ', '). Python fills them in with :func:`text`; the
+A template's fields are ``{name}``; values arrive formatted (numbers as
+C's ``%g``, lists joined with ', '). Python fills them in with :func:`text`; the
 native library gets the templates when it loads (``Library.init``) and fills
 them in the same way (``native/messages.h``), so a message reads the same
 whichever backend raised it.
 """
 
-__all__ = ['text', 'number', 'numbers', 'is_stale_call']
+__all__ = ['text', 'is_stale_call']
 
 TEMPLATES = {
     # A call's input.
@@ -159,13 +159,3 @@ def is_stale_call(exc):
 def text(name, **fields):
     """The message ``name`` with ``fields`` filled in."""
     return TEMPLATES[name].format(**fields)
-
-
-def number(value):
-    """A number as the native library formats it (C's ``%g``)."""
-    return '%g' % value
-
-
-def numbers(values):
-    """``[a, b]``, each number as :func:`number` formats it."""
-    return '[%s]' % ', '.join(number(v) for v in values)

@@ -288,12 +288,9 @@ class _LocalTally(object):
         self._sums.setdefault(x.context, Tally()).add(n, mean, var)  # on the device
 
     def averages(self):
-        total = Tally()
-        for ctx in self.contexts:
-            t = self._sums.get(ctx)
-            if t is not None:
-                total = total + Tally(t.calls, t.n, t.mean_sum.asnumpy(), t.var_sum.asnumpy())
-        value = total.average()
+        sums = [self._sums[ctx] for ctx in self.contexts if ctx in self._sums]
+        value = Tally(0, sum(t.n for t in sums), sum(t.mean_sum.asnumpy() for t in sums),
+                      sum(t.var_sum.asnumpy() for t in sums)).average() if sums else None
         return None if value is None else [value] * len(self.contexts)
 
 

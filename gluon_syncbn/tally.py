@@ -9,8 +9,7 @@ class Tally(object):
     """Over a run of training calls: their number and the float64 sums of
     each call's ``n``, ``n * mean`` and ``n * var``, so that the averages
     weighted by ``n`` are :meth:`average` (the native session keeps the same,
-    ``native/stats.h``). Tallies of calls on different slices add up
-    (``+``).
+    ``native/stats.h``).
 
     Parameters
     ----------
@@ -38,14 +37,6 @@ class Tally(object):
         else:
             self.mean_sum += mean * n
             self.var_sum += var * n
-
-    def __add__(self, other):
-        if other.mean_sum is None:
-            return Tally(self.calls, self.n, self.mean_sum, self.var_sum)
-        if self.mean_sum is None:
-            return other + self
-        return Tally(self.calls + other.calls, self.n + other.n,
-                     self.mean_sum + other.mean_sum, self.var_sum + other.var_sum)
 
     def average(self):
         """``(mean, var)`` weighted by each call's ``n``; None without samples."""

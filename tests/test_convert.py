@@ -288,7 +288,7 @@ def test_converted_resnet18_trains_on_two_contexts():
     assert r['replicas_identical'] == 1.0
 
 
-def test_networks_with_equal_prefixes_do_not_share_barriers():
+def test_networks_with_equal_prefixes_do_not_share_meetings():
     r = run_scenario('same_prefix_networks', timeout=120)
     assert r['same_names'] == 1.0
     assert r['max_err'] < 1e-5

@@ -20,8 +20,9 @@ from tests.conftest import PATHS, PATH_OPERATOR, result_of, run_batch, run_scena
 MODES = [False, True, 'static']
 MODE_IDS = ['imperative', 'hybridized', 'static_shape']
 # Engine operations a training call (forward and backward) adds per device
-# on the exchange operator's path, at most (docs/design.md, "What a call
-# costs"; the issue asks for at most half of the 50 and 15 before).
+# on the exchange operator's path, at most: half of what the graph around
+# it once cost (docs/findings.md, "Engine operations per call on the GPU
+# path": 24 and 4.6 now).
 TRAINING_BOUND = {True: 25, 'static': 8}
 
 

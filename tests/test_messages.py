@@ -27,11 +27,6 @@ def test_text_fills_every_field_and_refuses_a_missing_one():
         messages.text('stale_call', layer='bn0')
 
 
-def test_numbers_read_as_the_native_library_prints_them():
-    assert messages.number(2.0) == '2' and messages.number(0.5) == '0.5'
-    assert messages.numbers([6.0, 1.0]) == '[6, 1]'
-
-
 HINT = re.compile(r"([\w./-]+\.md),\s+section\s+'([^']+)'")
 
 

@@ -37,7 +37,7 @@ def test_other_values_are_refused_with_the_accepted_ones(value):
 
 @pytest.mark.parametrize('store', [None, FakeStore('local'), FakeStore('device'),
                                    FakeStore('dist_sync', num_workers=1)])
-def test_one_process_stores_use_the_local_barrier_only(store):
+def test_one_process_stores_get_the_local_transport(store):
     assert isinstance(make_transport(store), LocalTransport)
 
 

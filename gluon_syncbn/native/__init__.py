@@ -134,11 +134,6 @@ def library_path(cache_root=None):
                         'libgluon_syncbn-%s.so' % digest)
 
 
-def _mkldnn():
-    import mxnet
-    return int(mxnet.runtime.Features().is_enabled('MKLDNN'))
-
-
 def build(path, cache_root):
     """Compile ``syncbn.cc`` into ``path`` (its missing directories up to
     ``cache_root`` made 0700); raise NativeUnavailable with the reason."""
@@ -162,7 +157,9 @@ def build(path, cache_root):
                 % (CACHE_VARIABLE, cache.default_root()))
     os.close(fd)
     include = os.path.join(mx_dir, 'include')
-    command = [compiler] + _flags() + ['-DMXNET_USE_MKLDNN=%d' % _mkldnn(), '-I' + include,
+    import mxnet
+    mkldnn = int(mxnet.runtime.Features().is_enabled('MKLDNN'))
+    command = [compiler] + _flags() + ['-DMXNET_USE_MKLDNN=%d' % mkldnn, '-I' + include,
                                     '-I' + os.path.join(include, 'mkldnn'), SOURCE, '-o', tmp,
                                     '-L' + mx_dir, '-l:libmxnet.so', '-Wl,-rpath,' + mx_dir]
     # A layer's first call is silent for half a minute otherwise: say why.
@@ -265,7 +262,7 @@ def _trusted_library():
             raise NativeUnavailable('no place to keep it can be trusted: %s' % why)
     if os.path.exists(path):
         digest = cache.digest(path)
-        stale = [m for m in cache.verdicts(path) if cache.read_verdict(m)[0] not in (None, digest)]
+        stale = [m for m in cache.verdicts(path) if cache.read_verdict(m)[0] != digest]
         if stale:
             warn_user('gluon_syncbn: %s is not the library its self-test verdict %s was '
                       'reached on: it is not loaded, but built again.' % (path, stale[0]))
@@ -345,7 +342,7 @@ def _selftest(path, part):
         return 'ok'  # this is the self-test's process
     marker = '%s.%s%s.selftest' % (path, part, _driver_tag() if part == 'exchange' else '')
     kept = cache.read_verdict(marker) if os.path.exists(marker) else (None, None)
-    if kept[0] != _state['digest']:  # none yet, or one an older version kept without a digest
+    if kept[0] != _state['digest']:  # none yet
         _say('self-testing the %s operator in a subprocess (a few seconds, once per build) ...'
              % ('asynchronous' if part == 'async' else part))
         verdict, definite = run_selftest(part)

@@ -1,13 +1,11 @@
 // Arrays in host memory, read and written in place by the native operators
-// (the asynchronous operator's data, the exchange operator's host staging),
-// and MXNet's own operators queued from C++.
+// (the asynchronous operator's data, the exchange operator's host staging).
 //
 // Every element is read and written as the dtype its array has: float16,
 // bfloat16, float32 or float64 (MXNet's own half_t and bf16_t conversions, so
 // a narrowing write rounds as MXNet's Cast does). Callers refuse any other
 // dtype first (dtype_problem); no read assumes one.
 #pragma once
-#include <mxnet/c_api.h>
 #include <mshadow/bfloat.h>
 #include <mshadow/half.h>
 
@@ -15,8 +13,6 @@
 #include <cstdint>
 #include <string>
 #include <vector>
-
-#include <nnvm/c_api.h>  // NNGetOpHandle
 
 namespace {
 
@@ -105,21 +101,6 @@ template <typename F> void for_each(const Layout& l, F f) {
       int64_t base = (o * l.channels + c) * l.inner;
       for (int64_t i = 0; i < l.inner; ++i) f(c, base + i);
     }
-}
-
-
-// Invoke MXNet operator `name` on `inputs` into `out`, queued on the engine
-// (not waited for). `keys`/`values`: its string arguments.
-bool invoke(const char* name, std::vector<NDArrayHandle> inputs, NDArrayHandle out,
-            std::vector<const char*> keys, std::vector<const char*> values) {
-  void* op = nullptr;
-  if (NNGetOpHandle(name, &op) != 0) return false;
-  int num_out = 1;
-  NDArrayHandle outs[1] = {out};
-  NDArrayHandle* out_ptr = outs;
-  return MXImperativeInvoke(op, static_cast<int>(inputs.size()), inputs.data(), &num_out,
-                            &out_ptr, static_cast<int>(keys.size()), keys.data(),
-                            values.data()) == 0;
 }
 
 }  // namespace

@@ -130,14 +130,10 @@ def verdicts(library):
 
 
 def read_verdict(marker):
-    """``(digest, verdict)`` kept in ``marker``; digest None where the
-    marker records none (an older format)."""
+    """``(digest, verdict)`` kept in ``marker``."""
     with open(marker) as f:
-        text = f.read()
-    head, _, rest = text.partition('\n')
-    if head.startswith(_DIGEST):
-        return head[len(_DIGEST):].strip(), rest
-    return None, text
+        head, _, verdict = f.read().partition('\n')
+    return head[len(_DIGEST):].strip(), verdict
 
 
 def write_verdict(marker, library_digest, verdict):

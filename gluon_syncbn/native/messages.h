@@ -48,7 +48,7 @@ std::string message(const char* name, Fields fields) {
   return out;
 }
 
-// A number as messages.number formats it (%g).
+// A number as C's %g formats it.
 std::string number(double value) {
   char text[32];
   std::snprintf(text, sizeof(text), "%g", value);

@@ -112,7 +112,7 @@ std::string start_remote_locked(Layer& layer, const Key& key, const std::shared_
   if (!g_broken.empty()) return broken_message(layer);
   if (layer.slot < 0)
     return message("no_slot", {{"layer", layer.name}, {"transport", layer.transport->name}});
-  const Transport& t = *layer.transport;
+  Transport& t = *layer.transport;
   const size_t size = meeting->values[0].size(), row = row_size(layer, size);
   const int numbers = t.numbers_per_value();
   std::vector<double> payload(t.workers * row + layer.ownership.size(), 0.0);
@@ -141,18 +141,13 @@ std::string start_remote_locked(Layer& layer, const Key& key, const std::shared_
 }
 
 // What is wrong with the workers' rows, or "" with meeting->result set to their
-// vectors combined in rank order, per sync group (lock held).
+// vectors combined in rank order, per sync group (lock held). `total` has the
+// payload's size: Transport::start refuses a payload of another size than its key.
 std::string check_remote_locked(const Layer& layer, const Key& key, Meeting& meeting,
                                 const std::vector<double>& total) {
-  const Transport& t = *layer.transport;
+  Transport& t = *layer.transport;
   const size_t size = meeting.values[0].size(), row = row_size(layer, size);
   const size_t vectors = layer.num_sync_groups * size, owners = layer.ownership.size();
-  if (total.size() != t.workers * row + owners)
-    return "SyncBatchNorm: the " + std::string(direction_name(key)) + " reduction of layer '" +
-           layer.name + "' (slot " + std::to_string(layer.slot) + ") came back from " + t.name +
-           " with " + std::to_string(total.size()) + " numbers instead of " +
-           std::to_string(t.workers * row + owners) + "; this is a bug in gluon_syncbn, "
-           "please report it.";
   const auto own = own_checks(key, size, meeting.dtypes[0], 0);
   bool whole = true, missing = false, differ = false, tokens_differ = false;
   for (int r = 0; r < t.workers; ++r) {
@@ -278,6 +273,50 @@ bool same_control(const double* a, const double* b) {
          std::equal(a + kControlHead + kNameBytes, a + kControlRow, b + kControlHead + kNameBytes);
 }
 
+// Why the setup step `what` through `t` failed: the transport's `error`, or
+// where there is none, that the other workers did not come within `timeout`
+// seconds.
+std::string setup_error(const Transport& t, const std::string& what, double timeout,
+                        const std::string& error) {
+  if (!error.empty())
+    return "SyncBatchNorm could not " + what + " with the other workers through " + t.name +
+           ": " + error;
+  return message("setup_timeout", {{"rank", std::to_string(t.rank)},
+                                   {"workers", std::to_string(t.workers)},
+                                   {"timeout", number(timeout)}, {"what", what},
+                                   {"transport", t.name}});
+}
+
+// Every worker's next CONTROL row, into `rows`, through `t` within `timeout`
+// seconds; `what` (what this worker was to do) and `name` (the layer's, if
+// any) are for messages. "" where every row is of `row`'s kind (and, for a
+// batch, the same batch); else why not (the process's end started).
+std::string gather_setup(const std::shared_ptr<Transport>& t, const std::vector<double>& row,
+                         const std::string& what, const std::string& name, double timeout,
+                         std::vector<double>* rows) {
+  std::string error;
+  {
+    std::lock_guard<std::mutex> lock(g_mutex);
+    if (!g_broken.empty()) return message("broken", {{"transport", t->name}, {"cause", g_broken}});
+  }
+  if (!t->gather_control(row, timeout, rows, &error))
+    error = setup_error(*t, what, timeout, error);
+  else if (!whole_numbers(rows->data(), rows->size()))
+    error = message("sums_changed", {{"transport", t->name}, {"direction", "setup"},
+                                     {"layer", name}, {"slot", "-"}});
+  for (int r = 0; r < t->workers && error.empty(); ++r)
+    if ((*rows)[r * kControlRow] == kEndKind)
+      error = end_message(r, (*rows)[r * kControlRow + 1], "", t->rank, "was to " + what);
+  for (int r = 0; r < t->workers && error.empty(); ++r) {
+    const double* other = &(*rows)[r * kControlRow];
+    if (other[0] != row[0] || (row[0] == kBatchKind && other[1] != row[1]))
+      error = message("setup_out_of_step", {{"what", what},
+                                            {"workers", describe_control(*rows, t->workers)}});
+  }
+  if (!error.empty()) setup_failed(t, error);
+  return error;
+}
+
 // Every worker's next CONTROL row must be `row` (a layer's), through `t`
 // within `timeout` seconds; `place` and `name` name the layer in messages
 // (its place among the layers to synchronize across workers). "" or why
@@ -287,34 +326,13 @@ std::string agree_on_layer(const std::shared_ptr<Transport>& t, const std::vecto
   const std::string what = "set up layer '" + name + "', its layer #" + std::to_string(place) +
                            " to synchronize across workers";
   std::vector<double> rows;
-  std::string error;
-  {
-    std::lock_guard<std::mutex> lock(g_mutex);
-    if (!g_broken.empty()) return message("broken", {{"transport", t->name}, {"cause", g_broken}});
-  }
-  if (!t->gather_control(row, timeout, &rows, &error)) {
-    error = error.empty() ? message("setup_timeout", {{"rank", std::to_string(t->rank)},
-                                                      {"workers", std::to_string(t->workers)},
-                                                      {"timeout", number(timeout)},
-                                                      {"what", what}, {"transport", t->name}})
-                          : "SyncBatchNorm could not " + what + " with the other workers "
-                            "through " + t->name + ": " + error;
-  } else if (!whole_numbers(rows.data(), rows.size())) {
-    error = message("sums_changed", {{"transport", t->name}, {"direction", "setup"},
-                                     {"layer", name}, {"slot", "-"}});
-  }
+  std::string error = gather_setup(t, row, what, name, timeout, &rows);
   for (int r = 0; r < t->workers && error.empty(); ++r)
-    if (rows[r * kControlRow] == kEndKind)
-      error = end_message(r, rows[r * kControlRow + 1], "", t->rank, "was to " + what);
-  for (int r = 0; r < t->workers && error.empty(); ++r)
-    if (rows[r * kControlRow] != row[0])
-      error = message("setup_out_of_step", {{"what", what},
-                                            {"workers", describe_control(rows, t->workers)}});
-  for (int r = 0; r < t->workers && error.empty(); ++r)
-    if (!same_control(row.data(), &rows[r * kControlRow]))
+    if (!same_control(row.data(), &rows[r * kControlRow])) {
       error = message("layers_differ", {{"layer", name}, {"number", std::to_string(place)},
                                         {"workers", describe_layers(rows, t->workers)}});
-  if (!error.empty()) setup_failed(t, error);
+      setup_failed(t, error);
+    }
   return error;
 }
 
@@ -346,29 +364,10 @@ std::string agree_on_batch(const std::shared_ptr<Transport>& t, int batch, bool 
                            double timeout, std::vector<int>* lacking) {
   const std::string what = "agree on update_bn_stats' batch #" + std::to_string(batch + 1);
   std::vector<double> rows;
-  std::string error;
-  if (!t->gather_control(pack_control(kBatchKind, {static_cast<double>(batch), has ? 1.0 : 0.0},
-                                      "", ""),
-                         timeout, &rows, &error)) {
-    error = error.empty() ? message("setup_timeout", {{"rank", std::to_string(t->rank)},
-                                                      {"workers", std::to_string(t->workers)},
-                                                      {"timeout", number(timeout)},
-                                                      {"what", what}, {"transport", t->name}})
-                          : "SyncBatchNorm could not " + what + " through " + t->name + ": " +
-                            error;
-    return setup_failed(t, error), error;
-  }
-  for (int r = 0; r < t->workers; ++r)
-    if (rows[r * kControlRow] == kEndKind) {
-      error = end_message(r, rows[r * kControlRow + 1], "", t->rank, "was to " + what);
-      return setup_failed(t, error), error;
-    }
-  for (int r = 0; r < t->workers; ++r)
-    if (rows[r * kControlRow] != kBatchKind || rows[r * kControlRow + 1] != batch) {
-      error = message("setup_out_of_step", {{"what", what},
-                                            {"workers", describe_control(rows, t->workers)}});
-      return setup_failed(t, error), error;
-    }
+  const std::string error = gather_setup(
+      t, pack_control(kBatchKind, {static_cast<double>(batch), has ? 1.0 : 0.0}, "", ""), what,
+      "", timeout, &rows);
+  if (!error.empty()) return error;
   lacking->clear();
   for (int r = 0; r < t->workers; ++r)
     if (rows[r * kControlRow + 2] != 1) lacking->push_back(r);
@@ -402,15 +401,8 @@ bool attach_remote(Layer& layer, int64_t channels, const std::string& dtype, std
   const size_t rows[2] = {row_size(layer, 1 + 2 * channels), row_size(layer, 2 * channels)};
   int slot = -1;
   if (!t->add_slot(rows, layer.ownership.size(), layer.remote_timeout, &slot, error)) {
-    *error = error->empty()
-                 ? message("setup_timeout",
-                           {{"rank", std::to_string(t->rank)},
-                            {"workers", std::to_string(t->workers)},
-                            {"timeout", number(layer.remote_timeout)},
-                            {"what", "make the keys of layer '" + layer.name + "'"},
-                            {"transport", t->name}})
-                 : "SyncBatchNorm '" + layer.name + "' could not set up its " + t->name +
-                       " keys: " + *error;
+    *error = setup_error(*t, "make the keys of layer '" + layer.name + "'", layer.remote_timeout,
+                         *error);
     return setup_failed(t, *error);
   }
   std::lock_guard<std::mutex> lock(g_mutex);

@@ -33,7 +33,6 @@
 #include <map>
 #include <memory>
 #include <mutex>
-#include <set>
 #include <string>
 #include <thread>
 #include <utility>
@@ -159,17 +158,17 @@ class Transport {
   // order, the same on every worker: initializing a kvstore key is collective.
   bool add_slot(const size_t rows[2], size_t extra, double timeout, int* slot,
                 std::string* error) {
-    std::array<Buffer, 2> buffers;
+    std::array<KeyRecord, 2> keys;
     for (int dir = 0; dir < 2; ++dir)
-      if (!make_buffer(rows[dir], extra, &buffers[dir], error)) return false;
+      if (!make_buffer(rows[dir], extra, &keys[dir].buffer, error)) return false;
     {
       std::lock_guard<std::mutex> lock(slots_mutex_);
       *slot = static_cast<int>(slots_.size());
     }
     for (int dir = 0; dir < 2; ++dir)
-      if (!init_bounded(*slot, dir, buffers[dir], timeout, error)) return false;
+      if (!init_bounded(*slot, dir, keys[dir].buffer, timeout, error)) return false;
     std::lock_guard<std::mutex> lock(slots_mutex_);
-    slots_.push_back(buffers);  // never freed, like the session's state
+    slots_.push_back(keys);  // never freed, like the session's state
     return true;
   }
 
@@ -179,7 +178,7 @@ class Transport {
   // together.
   bool gather_control(const std::vector<double>& row, double timeout,
                       std::vector<double>* rows, std::string* error) {
-    if (control_.array == nullptr) {
+    if (control_.buffer.array == nullptr) {
       Buffer b;
       bool late = false;
       if (!make_buffer(kControlRow, 0, &b, error)) return false;
@@ -187,13 +186,14 @@ class Transport {
         if (late) error->clear();  // initializing the key waits for every worker
         return false;
       }
-      control_ = b;
+      std::lock_guard<std::mutex> lock(slots_mutex_);
+      control_.buffer = b;
     }
-    std::vector<double> payload(control_.size, 0.0);
+    std::vector<double> payload(control_.buffer.size, 0.0);
     std::copy(row.begin(), row.end(), payload.begin() + rank * kControlRow);
     auto gathered = std::make_shared<Awaited>();
-    start_on(control_, kControlSlot, 0, payload,
-             [gathered](const std::string& e, const std::vector<double>& total) {
+    start(kControlSlot, 0, payload,
+          [gathered](const std::string& e, const std::vector<double>& total) {
       gathered->deliver(e, total);
     });
     if (!gathered->wait(timeout, error, rows)) {
@@ -211,9 +211,37 @@ class Transport {
     Buffer b;
     {
       std::lock_guard<std::mutex> lock(slots_mutex_);
-      b = slot == kControlSlot ? control_ : slots_.at(slot)[dir];
+      KeyRecord& k = key_locked(slot, dir);
+      b = k.buffer;
+      if (payload.size() == b.size) {
+        ++k.rounds;
+        k.busy = true;
+      }
     }
-    start_on(b, slot, dir, payload, std::move(done));
+    if (payload.size() != b.size)
+      return done(name + " got " + std::to_string(payload.size()) + " numbers for a key of " +
+                  std::to_string(b.size), {});
+    b.write(payload);
+    // Idle again once its sum (or error) is handed on.
+    auto* r = new Reduction{b, [this, slot, dir, done](const std::string& error,
+                                                      const std::vector<double>& total) {
+      {
+        std::lock_guard<std::mutex> lock(slots_mutex_);
+        key_locked(slot, dir).busy = false;
+      }
+      done(error, total);
+    }};
+    reduce(slot, dir, b, [r, this]() {
+      NDArrayHandle array = r->buffer.array;
+      if (MXEnginePushSyncND(read_buffer, r, delete_reduction, kCPU0, &array, 1, nullptr, 0,
+                             &read_property_, 0, "gluon_syncbn_remote_sum") != 0) {
+        r->done(last_mxnet_error(), {});
+        delete_reduction(r);
+      }
+    }, [r](const std::string& error) {
+      r->done(error, {});
+      delete_reduction(r);
+    });
   }
 
   // A key as end_remote (remote.h) sees it: where it is, its numbers per
@@ -230,19 +258,20 @@ class Transport {
   std::vector<KeyState> keys() {
     std::lock_guard<std::mutex> lock(slots_mutex_);
     std::vector<KeyState> out;
-    if (control_.array != nullptr)
-      out.push_back(key_locked(kControlSlot, 0, control_));
+    auto add = [&out](int slot, int dir, const KeyRecord& k) {
+      out.push_back(KeyState{slot, dir, k.buffer.row, k.buffer.size, k.rounds, k.busy});
+    };
+    if (control_.buffer.array != nullptr) add(kControlSlot, 0, control_);
     for (size_t slot = 0; slot < slots_.size(); ++slot)
-      for (int dir = 0; dir < 2; ++dir)
-        out.push_back(key_locked(static_cast<int>(slot), dir, slots_[slot][dir]));
+      for (int dir = 0; dir < 2; ++dir) add(static_cast<int>(slot), dir, slots_[slot][dir]);
     return out;
   }
 
   // How many reductions this worker started on slot `slot`'s key of
   // direction `dir`: the layer's calls in that direction so far.
-  int64_t rounds(int slot, int dir) const {
+  int64_t rounds(int slot, int dir) {
     std::lock_guard<std::mutex> lock(slots_mutex_);
-    return rounds_locked(slot, dir);
+    return key_locked(slot, dir).rounds;
   }
 
   // How many slots there are: the layers whose keys were made.
@@ -291,21 +320,20 @@ class Transport {
                       std::function<void(const std::string&)> failed) = 0;
 
  private:
-  mutable std::mutex slots_mutex_;  // add_slot (main thread) against start (engine threads)
-  std::vector<std::array<Buffer, 2>> slots_;
+  // A key: its buffer, the reductions this worker started on it, and
+  // whether one is in flight.
+  struct KeyRecord {
+    Buffer buffer;
+    int64_t rounds = 0;
+    bool busy = false;
+  };
+  std::mutex slots_mutex_;  // add_slot (main thread) against start (engine threads)
+  std::vector<std::array<KeyRecord, 2>> slots_;
   int layers_ = 0;
-  Buffer control_;  // the control key (kControlSlot): made at the first layer's first call
-  // Per key (slot, dir): reductions started, and the keys with one in flight.
-  std::map<std::pair<int, int>, int64_t> rounds_;
-  std::set<std::pair<int, int>> busy_;
+  KeyRecord control_;  // the control key (kControlSlot): made at the first layer's first call
 
-  int64_t rounds_locked(int slot, int dir) const {
-    auto it = rounds_.find({slot, dir});
-    return it == rounds_.end() ? 0 : it->second;
-  }
-  KeyState key_locked(int slot, int dir, const Buffer& b) const {
-    return KeyState{slot, dir, b.row, b.size, rounds_locked(slot, dir),
-                    busy_.count({slot, dir}) > 0};
+  KeyRecord& key_locked(int slot, int dir) {
+    return slot == kControlSlot ? control_ : slots_.at(slot)[dir];
   }
 
   bool make_buffer(size_t row, size_t extra, Buffer* b, std::string* error) {
@@ -335,39 +363,6 @@ class Transport {
     return bounded([this, slot, dir, array](std::string* e) {
       return init_key(slot, dir, array, e);
     }, timeout, "initializing the key (every worker takes part)", error, late);
-  }
-
-  void start_on(const Buffer& b, int slot, int dir, const std::vector<double>& payload,
-                RemoteDone done) {
-    if (payload.size() != b.size)
-      return done(name + " got " + std::to_string(payload.size()) + " numbers for a key of " +
-                  std::to_string(b.size), {});
-    {
-      std::lock_guard<std::mutex> lock(slots_mutex_);
-      ++rounds_[{slot, dir}];
-      busy_.insert({slot, dir});
-    }
-    b.write(payload);
-    // Idle again once its sum (or error) is handed on.
-    auto* r = new Reduction{b, [this, slot, dir, done](const std::string& error,
-                                                      const std::vector<double>& total) {
-      {
-        std::lock_guard<std::mutex> lock(slots_mutex_);
-        busy_.erase({slot, dir});
-      }
-      done(error, total);
-    }};
-    reduce(slot, dir, b, [r, this]() {
-      NDArrayHandle array = r->buffer.array;
-      if (MXEnginePushSyncND(read_buffer, r, delete_reduction, kCPU0, &array, 1, nullptr, 0,
-                             &read_property_, 0, "gluon_syncbn_remote_sum") != 0) {
-        r->done(last_mxnet_error(), {});
-        delete_reduction(r);
-      }
-    }, [r](const std::string& error) {
-      r->done(error, {});
-      delete_reduction(r);
-    });
   }
 };
 int Transport::kCPU0[2] = {1, 0};

@@ -88,13 +88,6 @@ void combine(int dir, double* a, const double* b, size_t size) {
   for (size_t i = 0; i < size; ++i) a[i] += b[i];
 }
 
-// The combination of `count` vectors of direction `dir`, one after another.
-std::vector<double> combined(int dir, const std::vector<const double*>& vectors, size_t size) {
-  std::vector<double> out(size, 0.0);
-  for (const double* v : vectors) combine(dir, out.data(), v, size);
-  return out;
-}
-
 // BACKWARD: [sum dy (C), sum dy*(x - mean) (C)]; unpacked by index: total[c]
 // and total[C + c].
 std::vector<double> pack_backward(const std::vector<double>& sum_dy,
