@@ -401,12 +401,14 @@ class Graphs(object):
                     block._cached_op, block._cached_op_args = self._ops[training]
                     self.mode = training
 
-    def moved(self):
+    def moved(self, training):
         """Whether the graphs must be bound again: a layer lives on other
-        contexts now, or the user changed its eps or momentum (a momentum
-        schedule), which the training graph's operators take as arguments."""
-        return self.placement.moved() or any(_arguments(layer) != bound
-                                             for layer, bound in self.arguments)
+        contexts now, or, for a ``training`` call, the user changed its eps
+        or momentum (a momentum schedule), which the training graph's
+        operators take as arguments (the predict graph's node, as
+        ``nn.BatchNorm``'s, keeps those it was traced with)."""
+        return self.placement.moved() or training and any(
+            _arguments(layer) != bound for layer, bound in self.arguments)
 
     def _static_layers(self, ctx):
         found = self.static.get(ctx)
@@ -555,7 +557,7 @@ def _graphs_for(block, args, training):
     ``training`` (or predict) mode in its attributes."""
     before = graphs = block.__dict__.get('_gluon_syncbn_graphs')
     if graphs is not None and graphs.current(block):
-        if not graphs.moved():
+        if not graphs.moved(training):
             graphs.use(block, training)
             return graphs
         block._cached_op = None  # bound for other devices, or another eps or momentum
