@@ -122,7 +122,7 @@ def norm_layer(kind, n, sync_timeout):
 
 
 def _graph_only(channels):
-    """A block running the operators of ``VectorBackend._graph`` (backends/vector_graph.py)
+    """A block running the operators of ``ExchangeBackend._graph`` (backends/vector_graph.py)
     with the exchange operator replaced by a slice and a reshape: their host
     cost, for timing only (its output is not normalized)."""
     from mxnet import gluon

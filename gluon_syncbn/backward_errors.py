@@ -67,17 +67,16 @@ def _layers_in(heads, session):
         variables.update(n['name'] for n in nodes if n['op'] == 'null')
     found = set()
     for backend in session.live_backends():
-        layer = backend._layer()
-        if str(backend.handle) in handles or (
-                layer is not None and _variables_of(layer) & variables):
+        if str(backend.handle) in handles or _variables_of(backend.layer.params) & variables:
             found.add(backend.layer_name)
     return sorted(found)
 
 
-def _variables_of(layer):
-    """The autograd variables' names of ``layer``'s gamma and beta arrays."""
+def _variables_of(params):
+    """The autograd variables' names of a layer's gamma and beta arrays
+    (``params``: its :data:`~.backends.base.Params`)."""
     names = set()
-    for param in (layer.gamma, layer.beta):
+    for param in (params.gamma, params.beta):
         if param.grad_req == 'null':
             continue
         try:

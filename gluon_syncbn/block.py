@@ -12,7 +12,7 @@ from mxnet.util import is_np_array, is_np_shape
 
 from . import messages
 from .backends import make_backend
-from .backends.base import Call, Params
+from .backends.base import Call, Layer, Params
 from .backends.vector_graph import LOW_PRECISION
 from .cpu_contexts import check_cpu_contexts, is_naive_engine
 from .errors import SyncBatchNormError, ours_behind
@@ -306,7 +306,11 @@ class SyncBatchNorm(nn.BatchNorm):
                 backend.contexts = contexts
             elif backend is None or backend.contexts is not contexts:
                 check_cpu_contexts(self.name, devices)
-                backend = self._sync_backend = make_backend(self, devices, self._transport)
+                layer = Layer(self.name, self._kwargs['axis'], self._kwargs['fix_gamma'],
+                              self._sync_groups, self._timeout, self._remote_timeout,
+                              Params(self.gamma, self.beta, self.running_mean,
+                                     self.running_var))
+                backend = self._sync_backend = make_backend(layer, devices, self._transport)
                 if sum(d.startswith('cpu') for d in devices) > 1:
                     SESSION.separate_cpu_temp_space()  # after the self-test, which checks it
         return backend
@@ -374,13 +378,12 @@ class SyncBatchNorm(nn.BatchNorm):
             self._network_checked = True
             _network_check[0](self, len(backend.devices))
         SESSION.clear_failed_arrays()
-        backend.follow_arguments()  # a graph's calls: graphs.run_cached_op
         if not all(x.shape):  # an empty slice (NumPy shape mode: _check_input)
             backend.watch_empty_slice(x)
         # Also in a static network run imperatively (an empty slice's call,
         # update_bn_stats): Call.imperative says why.
         return backend.forward(F, x, Params(gamma, beta, running_mean, running_var),
-                               Call.imperative(x))
+                               Call.imperative(x, self._kwargs))
 
     def _traced(self, F, x, gamma, beta, running_mean, running_var):
         """What a trace gets (Gluon's, of a hybridized network, or a call on

@@ -339,13 +339,14 @@ class Graphs(object):
     A copy or a pickle of a block starts without graphs."""
 
     def __init__(self, predict, layers=(), training=None, backends=(), static=False,
-                 imperative=True):
+                 imperative=True, arguments=()):
         self._ops = {False: predict, True: training or predict}
         self.mode = False  # the predict graph is in the block's attributes
         # The contexts the layers lived on when bound: a Parameter placed
         # again (initialize, reset_ctx, load_parameters(ctx=...)) gets a new
         # list, which an identity check sees.
         self.contexts = [(layer.gamma, layer.gamma.list_ctx()) for layer in layers]
+        self.arguments = arguments  # (layer, its eps and momentum in the training graph)
         self.backends = list(backends)
         names = sorted({b.layer_name for b in self.backends})
         self.names = ', '.join("'%s'" % n for n in names)
@@ -380,15 +381,19 @@ class Graphs(object):
                     block._cached_op, block._cached_op_args = self._ops[training]
                     self.mode = training
 
-    def moved(self):
-        """Whether a layer lives on other contexts than when bound."""
+    def moved(self, training):
+        """Whether the graphs must be bound again: a layer lives on other
+        contexts than when bound, or, for a ``training`` call, the user
+        changed its eps or momentum (a momentum schedule), which the training
+        graph's operators take as arguments (the predict graph's node, as
+        ``nn.BatchNorm``'s, keeps those it was traced with)."""
         for param, contexts in self.contexts:
             try:
                 if param.list_ctx() is not contexts:
                     return True
             except RuntimeError:  # not initialized any more
                 return True
-        return False
+        return training and any(_arguments(layer) != bound for layer, bound in self.arguments)
 
     def _static_layers(self, ctx):
         found = self.static.get(ctx)
@@ -479,13 +484,19 @@ def _training_symbol(block, symbol, graph, nodes, args, params, static):
         def make(placeholders):
             data, *params = [mx.sym.var(n) for n in placeholders]
             with mx.name.Prefix(prefix):
-                out = backend.forward(mx.sym, data, Params(*params),
-                                      Call(dtype, static, traced_ndim(shape), known))
+                out = backend.forward(mx.sym, data, Params(*params), Call(
+                    dtype, static, traced_ndim(shape), known, *_arguments(layer)))
                 return mx.sym.relu(out, name='relu') if node['op'] in traced.WITH_RELU else out
         return make
     return traced.splice(graph, {index: replacement(node, layer, backend, *attributes)
                                  for (index, node, layer, backend), attributes
                                  in zip(nodes, found)}, symbol)
+
+
+def _arguments(layer):
+    """``layer``'s eps and momentum, which its training graph's operators
+    take as arguments (as ``nn.BatchNorm``'s node does)."""
+    return layer._kwargs['eps'], layer._kwargs['momentum']
 
 
 def _bind(block, args):
@@ -525,18 +536,19 @@ def _bind(block, args):
         block._cached_op, block._cached_op_args = predict
     tree = {id(b) for b in blocks_of(block)}
     return Graphs(predict, layers, training, backends.values(), static,
-                  imperative=all(id(layer) in tree for _, _, layer, _ in nodes))
+                  imperative=all(id(layer) in tree for _, _, layer, _ in nodes),
+                  arguments=[(layer, _arguments(layer)) for _, _, layer, _ in nodes])
 
 
 def _graphs_for(block, args, training):
     """``block``'s :class:`Graphs`, bound now if need be, with the graph for
     ``training`` (or predict) mode in its attributes."""
-    graphs = block.__dict__.get('_gluon_syncbn_graphs')
+    before = graphs = block.__dict__.get('_gluon_syncbn_graphs')
     if graphs is not None and graphs.current(block):
-        if not graphs.moved():
+        if not graphs.moved(training):
             graphs.use(block, training)
             return graphs
-        block._cached_op = None  # bound for the devices its layers lived on before
+        block._cached_op = None  # bound for other devices, or another eps or momentum
     try:
         if block._cached_op is None:
             _gluon_build(block, args)
@@ -544,6 +556,10 @@ def _graphs_for(block, args, training):
     except BaseException:
         block._clear_cached_op()  # nothing half-bound: the next call binds again
         raise
+    if before is not None:
+        # A predict call after the training calls of the graph before is
+        # fenced all the same (a new eps or momentum between them).
+        graphs.trained = before.trained
     block.__dict__['_gluon_syncbn_graphs'] = graphs
     graphs.use(block, training)
     return graphs
@@ -553,7 +569,6 @@ def run_cached_op(block, args, call, training, session):
     """``call(block, *args)``, Gluon's run of ``block``'s CachedOp, with the
     graph of the mode (``training``) bound; the network checked at its first
     training call that synchronizes; a failed step's errors cleared;
-    the layers' eps and momentum followed;
     a static_shape graph's call stamped or fenced; every device checked to
     feed it one dtype in a step; an empty slice run imperatively."""
     session.separate_this_thread()
@@ -564,9 +579,6 @@ def run_cached_op(block, args, call, training, session):
         graphs.network_checked = True
         check_network(block, graphs.num_devices)
     session.clear_failed_arrays()
-    if training:
-        for backend in graphs.backends:  # eps and momentum, as the user set them now
-            backend.follow_arguments()
     if graphs.static is not None and args and hasattr(args[0], 'context'):
         ctx = str(args[0].context)
         if training:

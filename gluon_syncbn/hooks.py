@@ -34,16 +34,12 @@
   a SyncBatchNorm call waiting for a partner that never comes would hold it
   until the layer's timeout. Ours, registered after MXNet's so it runs first,
   drains the engine for a bounded time and then aborts the step.
-* A worker of a multi-process job notes how its script ended (``sys.exit``,
-  ``SystemExit``, ``sys.excepthook``) and ends at once after a failure, and
-  every call on its kvstore takes the lock the native reductions take
-  (installed by ``transport.py``, which says why).
+
+A worker's exit (``sys.exit``, ``SystemExit``, ``sys.excepthook``) and its
+kvstore's methods are patched by ``transport.py``, where they act.
 """
 import atexit
-import builtins
-import sys
 import threading
-import weakref
 
 import mxnet as mx
 
@@ -373,133 +369,4 @@ def install():
     install_grad_hooks(mx.autograd, mx.nd.NDArray, SESSION)
     install_trainer_hook(mx.gluon.Trainer, SESSION, mx.nd.waitall)
     install_read_hooks(mx.nd.NDArray, (mx.nd, mx.nd.ndarray), SESSION)
-    transport.use_patches(install_exit_guard, wrap_kvstore)
     use_network_check(graphs.check_network)
-
-
-# ------------------------------------------ Python's exit and a user's kvstore --
-# Handed to transport.py (``install``), which installs them for a
-# cross-process layer: the policy, what to do at exit and under which lock,
-# stays there; the patches of code that is not ours are here.
-
-def install_exit_guard(note_failure, at_exit):
-    """Once per process: ``at_exit()`` runs at interpreter exit, and
-    ``note_failure(code, cause)`` learns how the script ended where that was
-    a failure.
-
-    Python tells nobody at exit how the script ended, so hooks note it as
-    it happens: ``sys.excepthook`` (an uncaught exception), and the exit
-    exception, which notes a non-zero code when it is deleted with no Python
-    code left on the stack, which happens only once it has ended the script
-    (one the script catches dies inside its frames). That exception is
-    :class:`_ScriptExit`: ``sys.exit`` raises it, and it is the builtin
-    ``SystemExit`` from now on, which ``raise SystemExit(n)`` and the
-    builtin ``exit(n)`` raise (a subclass: ``except SystemExit`` catches it).
-
-    Once ``at_exit()`` has returned, the three are Python's again. Python
-    empties ``sys`` last: our functions left there would keep our modules,
-    and through them MXNet's, alive through the collection that frees the
-    modules' objects at exit, and with MXNet's whatever the script hung on
-    them (a registered initializer's method, a function set on a class)
-    with its globals, the user's kvstore among them. The store would then
-    be deleted only once MXNet's module globals are None, where
-    ``KVStore.__del__`` fails unheard: ps-lite is never finalized, and the
-    C++ exit destroys its threads still running, which aborts the process
-    ("terminate called without an active exception").
-    """
-    if sys.exit is _script_exit:
-        return
-    previous = sys.excepthook, sys.exit, builtins.SystemExit
-    previous_hook = previous[0]
-
-    def excepthook(kind, value, trace):
-        if not _in_python_code():  # the uncaught exception that ends the script
-            note_failure(130 if issubclass(kind, KeyboardInterrupt) else 1,
-                         ('%s: %s' % (kind.__name__, value)) if str(value) else kind.__name__)
-        previous_hook(kind, value, trace)
-
-    def at_exit_then_remove():
-        try:
-            at_exit()
-        finally:
-            # Each only where it is still ours: a hook set later may call ours.
-            for namespace, name, ours, original in zip(
-                    (sys, sys, builtins), ('excepthook', 'exit', 'SystemExit'),
-                    (excepthook, _script_exit, _ScriptExit), previous):
-                if getattr(namespace, name) is ours:
-                    setattr(namespace, name, original)
-    sys.excepthook = excepthook
-    _ScriptExit.note_failure = staticmethod(note_failure)
-    sys.exit = _script_exit
-    builtins.SystemExit = _ScriptExit
-    atexit.register(at_exit_then_remove)
-
-
-def _in_python_code():
-    """Whether a Python frame is on the stack beyond the caller's own."""
-    try:
-        sys._getframe(2)
-    except ValueError:
-        return False
-    return True
-
-
-class _ScriptExit(SystemExit):
-    """What ``sys.exit`` raises once :func:`install_exit_guard` ran."""
-
-    def __del__(self):
-        code = 0 if self.code is None else self.code if isinstance(self.code, int) else 1
-        if code != 0 and not _in_python_code():
-            self.note_failure(code, 'sys.exit(%r)' % (self.code,))
-
-
-def _script_exit(status=None):
-    """``sys.exit`` once :func:`install_exit_guard` ran."""
-    raise _ScriptExit(status)
-
-
-def wrap_kvstore(kvstore, lock, refusal):
-    """Make every call on the user's ``kvstore`` take ``lock``, ours and the
-    Trainer's alike, and its ``set_gradient_compression`` raise ``refusal``.
-
-    MXNet's dist kvstore front end keeps per-key buffers in unguarded C++ maps.
-    Our reductions are issued from engine threads while the main thread
-    issues the Trainer's, and the Trainer's first calls insert into those maps.
-    Compression MXNet would apply to every key of the store, ours too, and
-    then refuse pushpull.
-
-    Issuing a push or pull is asynchronous, so the lock is held briefly. ``init``
-    and ``broadcast`` block until the store holds the value, which may wait for
-    our operators (they write the running statistics the Trainer broadcasts)
-    while those wait for the lock: so these first drain the engine, then lock.
-    They also drain afterwards: a broadcast's pull still in flight when the same
-    key's first pushpull is issued can land in the wrong array (MXNet 1.9.1
-    reuses one per-key buffer for both). Plain Gluon with a dist_sync Trainer
-    diverged across workers in 9 of 16 loaded runs that way; draining after
-    the Trainer's lazy initialization, 0 of 12.
-    The wrappers reach the store through a weak reference, so the store is
-    still destroyed when the user drops it.
-    """
-    ref = weakref.ref(kvstore)
-    for name in ('init', 'broadcast', 'push', 'pull', 'pushpull', 'row_sparse_pull'):
-        method = getattr(type(kvstore), name, None)
-        if method is not None:
-            drain = mx.nd.waitall if name in ('init', 'broadcast') else None
-            setattr(kvstore, name, _locked(method, ref, lock, drain))
-
-    def set_gradient_compression(compression_params):
-        raise refusal
-    kvstore.set_gradient_compression = set_gradient_compression
-
-
-def _locked(method, ref, lock, drain):
-    def call(*args, **kwargs):
-        if drain is not None:
-            drain()
-        with lock:
-            result = method(ref(), *args, **kwargs)
-        if drain is not None:
-            drain()
-        return result
-    call.__doc__ = method.__doc__
-    return call

@@ -157,8 +157,8 @@ Gluon's private fields, read and written
     ``nn.BatchNorm``: its constructor makes the parameters and ``_kwargs``
     the operators take (read by ``block``, ``backends/base``, ``precise_bn``,
     ``convert``; written by ``SyncBatchNorm.shadow``; its ``eps`` and
-    ``momentum`` followed where users change them between steps:
-    ``Backend.follow_arguments``); ``_alias`` overridden ('syncbatchnorm';
+    ``momentum``, which users change between steps, read at each call, a bound graph bound again where they changed:
+    ``graphs.Graphs.moved``); ``_alias`` overridden ('syncbatchnorm';
     ``transport._block_aliases`` reads every class's name, the prefixes
     Gluon counts); ``_deferred_infer_shape`` overridden (Gluon wraps any
     failure in a ValueError about shapes: ours are re-raised unwrapped,
@@ -206,9 +206,9 @@ temp space above)
     ``Imperative::MarkVariables``), an ``atexit`` handler that must run
     before MXNet's own; ``sys.excepthook``, ``sys.exit`` and the builtin
     ``SystemExit`` (replaced by a subclass) in a worker of a multi-process
-    job (``hooks.install_exit_guard``: a worker learns how its script ended,
+    job (``transport._guard_exit``: a worker learns how its script ended,
     ``transport._at_exit``, which puts them back); the user's kvstore's
-    methods (``hooks.wrap_kvstore``, below). **Public** MXNet has no
+    methods (``transport.wrap_kvstore``, below). **Public** MXNet has no
     callbacks for a step's start, end or failure. **Checked** each
     idempotent; tests.
 
@@ -228,7 +228,7 @@ Traced graphs (``traced``, ``graphs``)
     where MXNet keeps it. **Tests**.
 
 Data types and modes
-    Size-0 arrays (``backends/vector_graph.py`` ``_empty_slice``, the
+    Size-0 arrays (``ExchangeBackend._empty_slice`` in ``backends/vector_graph.py``, the
     operators): ``reshape`` with -1 divides by zero, reductions give NaN
     forward and leave their gradient outputs unwritten, ``broadcast_add``'s
     backward segfaults. NumPy mode (``block``): ``as_nd_ndarray()`` /
@@ -242,7 +242,7 @@ Data types and modes
     ``np.dtype([('bfloat16', np.uint16)])``, whose ``.name`` is ``void16``,
     and its operator wrappers take that dtype, not 'bfloat16'. **Tests**.
 
-The user's kvstore, its server and ps-lite (``hooks.wrap_kvstore``, ``native/session.h``, ``transport.h``, ``transport.py``)
+The user's kvstore, its server and ps-lite (``transport.wrap_kvstore``, ``native/session.h``, ``transport.h``, ``transport.py``)
     Its methods are wrapped to take one lock, and ``init``/``broadcast`` drain
     the engine: 1.9.1's dist kvstore keeps per-key buffers in unguarded maps.
     Its ``set_gradient_compression`` raises: 1.9.1 compresses every key of a

@@ -64,8 +64,9 @@ def main(part):
 def check_async(lib, x, w, gamma, beta, eps, expected):
     """The asynchronous operator on one CPU context."""
     ops = native.async_operator()
-    handle = lib.create_layer('selftest', ['cpu(0)'], (eps, 0.9), 60.0, 60.0, '', [0], 1)
-    kwargs = dict(layer=handle, fix_gamma=False, axis=1, input_dtype='float64')
+    handle = lib.create_layer('selftest', ['cpu(0)'], 60.0, 60.0, '', [0], 1)
+    kwargs = dict(layer=handle, fix_gamma=False, axis=1, eps=eps, momentum=0.9,
+                  input_dtype='float64')
 
     class Layer(gluon.HybridBlock):
         def hybrid_forward(self, F, data, g, b, m, v):

@@ -8,7 +8,8 @@ Horovod (:class:`HorovodTransport`), by the transport's *native twin*
 session issues, with no Python per call, one per layer call in forward and
 one in backward. The classes here make the twin
 (:meth:`~_CrossProcessTransport.make_native`), share the store's lock with
-it, and end the process after its fatal failures. The native library is
+it (every call on the user's kvstore takes it: :func:`wrap_kvstore`), and
+end the process after its fatal failures. The native library is
 therefore required across processes (``backends.choose``).
 
 The rules the twin follows (``native/session.h``, the remote phase): each
@@ -26,13 +27,16 @@ the other workers, which wait for its sums until their timeout. A worker
 whose script ends tells the others (:func:`_tell_the_others`): one still
 training fails at its next synchronized call, naming it.
 """
+import atexit
+import builtins
 import ctypes
-import functools
 import os
 import re
 import sys
 import threading
 import weakref
+
+import mxnet as mx
 
 from . import messages
 from .errors import SyncBatchNormError
@@ -91,18 +95,19 @@ class _CrossProcessTransport(object):
         return self.twin
 
     def agree_on_layer(self, lib, layer, devices):
-        """Before ``layer``'s backend on ``devices`` is made: every worker's
-        layer made in its place must have the same sync_groups (with, where
-        they are explicit, as many devices to number) and name, Gluon's
-        counters aside (:func:`matched_name`), or every worker raises the
-        same error, before the sync groups are worked out. (Its channels and
-        dtype are compared at its first call, before its keys are made:
-        ``native/remote.h``, ``attach_remote``.)"""
-        explicit = layer._sync_groups is not None
-        _exit_state['timeout'] = max(_exit_state['timeout'], layer._remote_timeout)
+        """Before the backend of ``layer`` (a :class:`~.backends.base.Layer`)
+        on ``devices`` is made: every worker's layer made in its place must
+        have the same sync_groups (with, where they are explicit, as many
+        devices to number) and name, Gluon's counters aside
+        (:func:`matched_name`), or every worker raises the same error, before
+        the sync groups are worked out. (Its channels and dtype are compared
+        at its first call, before its keys are made: ``native/remote.h``,
+        ``attach_remote``.)"""
+        explicit = layer.sync_groups is not None
+        _exit_state['timeout'] = max(_exit_state['timeout'], layer.remote_timeout)
         error = lib.compare_layer(self.make_native(lib), layer.name, matched_name(layer.name),
-                                  len(devices) if explicit else 0, repr(layer._sync_groups),
-                                  layer._remote_timeout)
+                                  len(devices) if explicit else 0, repr(layer.sync_groups),
+                                  layer.remote_timeout)
         if error:
             raise SyncBatchNormError(error)
 
@@ -132,27 +137,12 @@ def matched_name(name):
 def _block_aliases():
     """The names Gluon counts automatic prefixes of: every Block class's
     own, in lower case (``Block._alias``)."""
-    import mxnet as mx  # pylint: disable=import-outside-toplevel
     found, todo = set(), [mx.gluon.Block]
     while todo:
         cls = todo.pop()
         found.add(cls.__name__.lower())
         todo.extend(cls.__subclasses__())
     return found
-
-
-# ------------------------------------------------------------ the patches --
-# Python's exit and the user's kvstore are patched by hooks (where every patch
-# of code that is not ours lives), which hands the two installers over at
-# import (hooks.install): hooks imports the layer, and the layer this module,
-# so this module does not import hooks.
-_patches = {}
-
-
-def use_patches(install_exit_guard, wrap_kvstore):
-    """Called by ``hooks.install``: ``install_exit_guard(note_failure,
-    at_exit)`` and ``wrap_kvstore(kvstore, lock, refusal)``."""
-    _patches.update(install_exit_guard=install_exit_guard, wrap_kvstore=wrap_kvstore)
 
 
 # ------------------------------------------------------- the process's end --
@@ -168,13 +158,6 @@ _exit_state = {'failure': None, 'library': None, 'twins': [], 'timeout': 0.0}
 # How long a failing worker waits for its END rows to leave (none of their
 # rounds completes while other workers still train).
 FAILED_END_WAIT = 1.0
-
-
-def _guard_exit(rank):
-    """Once per process, at the first cross-process layer's construction:
-    :func:`_at_exit` runs at interpreter exit, and the script's end is noted
-    where it is a failure (``hooks.install_exit_guard``)."""
-    _patches['install_exit_guard'](_note_failure, functools.partial(_at_exit, rank))
 
 
 def across_processes():
@@ -214,9 +197,10 @@ def _tell_the_others(lib, failed):
     """This worker ends (``failed``: badly): every twin sends its END rows
     (``native/remote.h``, ``end_remote``; a failing worker only where
     another ended first), so that a worker still training fails at its next
-    synchronized call, naming this one, instead of at its timeout. Returns what the other workers did instead of ending their
-    scripts too, or '' (also where they did not end within the wait: the
-    interpreter's exit then waits for them, as MXNet's does)."""
+    synchronized call, naming this one, instead of at its timeout. Returns
+    what the other workers did instead of ending their scripts too, or ''
+    (also where they did not end within the wait: the interpreter's exit
+    then waits for them, as MXNet's does)."""
     if lib is None:
         return ''
     wait = FAILED_END_WAIT if failed else _exit_state['timeout']
@@ -243,6 +227,82 @@ def _exit_now(code, why):
     os._exit(code)
 
 
+def _guard_exit(rank):
+    """Once per process, at the first cross-process layer's construction:
+    :func:`_at_exit` runs at interpreter exit, and :func:`_note_failure`
+    learns how the script ended where that was a failure.
+
+    Python tells nobody at exit how the script ended, so hooks note it as
+    it happens: ``sys.excepthook`` (an uncaught exception), and the exit
+    exception, which notes a non-zero code when it is deleted with no Python
+    code left on the stack, which happens only once it has ended the script
+    (one the script catches dies inside its frames). That exception is
+    :class:`_ScriptExit`: ``sys.exit`` raises it, and it is the builtin
+    ``SystemExit`` from now on, which ``raise SystemExit(n)`` and the
+    builtin ``exit(n)`` raise (a subclass: ``except SystemExit`` catches it).
+
+    Once :func:`_at_exit` has returned, the three are Python's again. Python
+    empties ``sys`` last: our functions left there would keep our modules,
+    and through them MXNet's, alive through the collection that frees the
+    modules' objects at exit, and with MXNet's whatever the script hung on
+    them (a registered initializer's method, a function set on a class)
+    with its globals, the user's kvstore among them. The store would then
+    be deleted only once MXNet's module globals are None, where
+    ``KVStore.__del__`` fails unheard: ps-lite is never finalized, and the
+    C++ exit destroys its threads still running, which aborts the process
+    ("terminate called without an active exception").
+    """
+    if sys.exit is _script_exit:
+        return
+    previous = sys.excepthook, sys.exit, builtins.SystemExit
+    previous_hook = previous[0]
+
+    def excepthook(kind, value, trace):
+        if not _in_python_code():  # the uncaught exception that ends the script
+            _note_failure(130 if issubclass(kind, KeyboardInterrupt) else 1,
+                         ('%s: %s' % (kind.__name__, value)) if str(value) else kind.__name__)
+        previous_hook(kind, value, trace)
+
+    def at_exit_then_remove():
+        try:
+            _at_exit(rank)
+        finally:
+            # Each only where it is still ours: a hook set later may call ours.
+            for namespace, name, ours, original in zip(
+                    (sys, sys, builtins), ('excepthook', 'exit', 'SystemExit'),
+                    (excepthook, _script_exit, _ScriptExit), previous):
+                if getattr(namespace, name) is ours:
+                    setattr(namespace, name, original)
+    sys.excepthook = excepthook
+    sys.exit = _script_exit
+    builtins.SystemExit = _ScriptExit
+    atexit.register(at_exit_then_remove)
+
+
+def _in_python_code():
+    """Whether a Python frame is on the stack beyond the caller's own."""
+    try:
+        sys._getframe(2)
+    except ValueError:
+        return False
+    return True
+
+
+class _ScriptExit(SystemExit):
+    """What ``sys.exit`` raises once :func:`_guard_exit` ran."""
+
+    def __del__(self):
+        code = 0 if self.code is None else self.code if isinstance(self.code, int) else 1
+        if code != 0 and not _in_python_code():
+            _note_failure(code, 'sys.exit(%r)' % (self.code,))
+
+
+def _script_exit(status=None):
+    """``sys.exit`` once :func:`_guard_exit` ran."""
+    raise _ScriptExit(status)
+
+
+
 class KVStoreTransport(_CrossProcessTransport):
     """All-reduce over the job's MXNet distributed kvstore (ps-lite).
 
@@ -264,9 +324,9 @@ class KVStoreTransport(_CrossProcessTransport):
         super(KVStoreTransport, self).__init__()
         # Every call on the store takes the lock the twin's reductions take:
         # MXNet's dist kvstore front end keeps per-key buffers in unguarded
-        # maps (hooks.wrap_kvstore says more).
+        # maps (wrap_kvstore says more).
         self._store_lock = _StoreLock(self)
-        _patches['wrap_kvstore'](kvstore, self._store_lock, SyncBatchNormError(
+        wrap_kvstore(kvstore, self._store_lock, SyncBatchNormError(
             messages.text('compression', transport=self.name) + '.'))
 
     def _make_native(self, lib):
@@ -319,6 +379,53 @@ class _StoreLock(object):
         if twin is not None:
             self._transport._native_lib.store_lock(twin, False)
         self._transport._lock.release()
+
+
+def wrap_kvstore(kvstore, lock, refusal):
+    """Make every call on the user's ``kvstore`` take ``lock``, ours and the
+    Trainer's alike, and its ``set_gradient_compression`` raise ``refusal``.
+
+    MXNet's dist kvstore front end keeps per-key buffers in unguarded C++ maps.
+    Our reductions are issued from engine threads while the main thread
+    issues the Trainer's, and the Trainer's first calls insert into those maps.
+    Compression MXNet would apply to every key of the store, ours too, and
+    then refuse pushpull.
+
+    Issuing a push or pull is asynchronous, so the lock is held briefly. ``init``
+    and ``broadcast`` block until the store holds the value, which may wait for
+    our operators (they write the running statistics the Trainer broadcasts)
+    while those wait for the lock: so these first drain the engine, then lock.
+    They also drain afterwards: a broadcast's pull still in flight when the same
+    key's first pushpull is issued can land in the wrong array (MXNet 1.9.1
+    reuses one per-key buffer for both). Plain Gluon with a dist_sync Trainer
+    diverged across workers in 9 of 16 loaded runs that way; draining after
+    the Trainer's lazy initialization, 0 of 12.
+    The wrappers reach the store through a weak reference, so the store is
+    still destroyed when the user drops it.
+    """
+    ref = weakref.ref(kvstore)
+    for name in ('init', 'broadcast', 'push', 'pull', 'pushpull', 'row_sparse_pull'):
+        method = getattr(type(kvstore), name, None)
+        if method is not None:
+            drain = mx.nd.waitall if name in ('init', 'broadcast') else None
+            setattr(kvstore, name, _locked(method, ref, lock, drain))
+
+    def set_gradient_compression(compression_params):
+        raise refusal
+    kvstore.set_gradient_compression = set_gradient_compression
+
+
+def _locked(method, ref, lock, drain):
+    def call(*args, **kwargs):
+        if drain is not None:
+            drain()
+        with lock:
+            result = method(ref(), *args, **kwargs)
+        if drain is not None:
+            drain()
+        return result
+    call.__doc__ = method.__doc__
+    return call
 
 
 class HorovodTransport(_CrossProcessTransport):

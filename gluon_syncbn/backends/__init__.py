@@ -26,15 +26,13 @@ from .. import native
 from ..cpu_contexts import on_cpu_path
 from ..errors import SyncBatchNormError
 from ..session import SESSION
-from ..transport import LocalTransport
-from .native_backends import AsyncBackend, ExchangeBackend
+from .base import AsyncBackend
+from .vector_graph import ExchangeBackend
 
-__all__ = ['make_backend', 'requested_backend', 'explain', 'Choice']
+__all__ = ['make_backend', 'requested_backend', 'choose', 'explain', 'Choice']
 
 BACKEND_VARIABLE = 'GLUON_SYNCBN_BACKEND'
 BACKENDS = ('auto', 'async', 'exchange')
-RENAMED_VARIABLE = 'GLUON_SYNCBN_OPERATOR'  # its values were auto, native and python
-INSTEAD = 'auto (or unset it), async (CPU contexts) or exchange (GPUs)'
 
 # A backend and why it was chosen (or, with backend None, why none can run).
 Choice = collections.namedtuple('Choice', 'backend reason')
@@ -43,86 +41,64 @@ Choice = collections.namedtuple('Choice', 'backend reason')
 def requested_backend():
     """``'auto'``, ``'async'`` or ``'exchange'``, from ``GLUON_SYNCBN_BACKEND``;
     raises on any other value."""
-    if os.environ.get(RENAMED_VARIABLE) is not None:
-        raise SyncBatchNormError(
-            '%s is no longer read: set %s=auto, async (CPU contexts) or exchange (GPUs) '
-            'instead, and unset %s.' % (RENAMED_VARIABLE, BACKEND_VARIABLE, RENAMED_VARIABLE))
     value = os.environ.get(BACKEND_VARIABLE, 'auto').strip().lower() or 'auto'
-    if value == 'python':
-        raise SyncBatchNormError(
-            '%s=python: there is no Python operator; a layer that synchronizes runs a native '
-            'operator, built with a C++ compiler at its first call (`python -m gluon_syncbn` '
-            'says whether it can be here, and why). Set %s=%s.'
-            % (BACKEND_VARIABLE, BACKEND_VARIABLE, INSTEAD))
     if value not in BACKENDS:
         raise SyncBatchNormError('%s=%r: use %s.' % (BACKEND_VARIABLE, value,
                                                       ', '.join(BACKENDS)))
     return value
 
 
-def _why_not(name, devices, on_cpu, transport):
-    """'' if operator ``name`` (``'async'`` or ``'exchange'``) can run a
-    layer on ``devices`` over ``transport`` here, else why not."""
-    if name == 'async' and not on_cpu:
-        return ('the asynchronous operator runs on CPU contexts only, and this layer runs on '
-                '%s' % ', '.join(devices))
-    if native.load() is None:
-        return 'the native library is not available: %s' % native.status()['why_not']
-    functions = native.async_operator() if name == 'async' else native.exchange_operator()
-    if functions is None:
-        # The exchange operator is registered only beside the asynchronous one.
-        verdicts = native.status()['verdicts']
-        failed = 'async' if verdicts.get('async') != 'ok' else name
-        verdict = verdicts.get(failed)
-        if verdict == 'ok':
-            return "MXNet's registry refused the %s operator" % failed
-        return 'the %s operator failed its self-test: %s' % (failed, verdict)
-    if transport.cross_process:
-        return transport.why_not_native()
-    return ''
-
-
-def _fix():
-    """' <what to do>.' where the library did not build for a reason that has
-    a fix (a missing compiler, a cache directory that cannot be written),
-    else ''."""
-    fix = native.status()['fix']
-    return ' %s.' % fix if fix else ''
-
-
-def choose(devices, transport, requested=None):
-    """The :class:`Choice` for a layer on ``devices`` (context strings) over
-    ``transport``; ``backend`` is ``'async'``, ``'exchange'`` or None
-    (nothing can run it: ``reason`` says why and how to fix it). May build
-    and load the native library and run a self-test."""
+def choose(devices, cross_process=False, why_not_native='', requested=None):
+    """The :class:`Choice` for a layer on ``devices`` (context strings), in
+    one process or across processes (whose transport cannot have a native
+    twin where ``why_not_native`` says why): ``backend`` is ``'async'``,
+    ``'exchange'`` or None (nothing can run it: ``reason`` says why and how
+    to fix it). May build and load the native library and run a self-test."""
     requested = requested or requested_backend()
     on_cpu = on_cpu_path(devices)
-    where = 'across processes' if transport.cross_process else 'in one process'
     natural = 'async' if on_cpu else 'exchange'
     name = natural if requested == 'auto' else requested
-    why = _why_not(name, devices, on_cpu, transport)
+    if name == 'async' and not on_cpu:
+        why = ('the asynchronous operator runs on CPU contexts only, and this layer runs on '
+               '%s' % ', '.join(devices))
+    elif native.load() is None:
+        why = 'the native library is not available: %s' % native.status()['why_not']
+    elif (native.async_operator() if name == 'async' else native.exchange_operator()) is None:
+        # (Registered, and so self-tested, only beside the asynchronous one.)
+        verdicts = native.status()['verdicts']
+        failed = 'async' if verdicts.get('async') != 'ok' else name
+        why = ("MXNet's registry refused the %s operator" % failed
+               if verdicts.get(failed) == 'ok' else
+               'the %s operator failed its self-test: %s' % (failed, verdicts.get(failed)))
+    else:
+        why = why_not_native if cross_process else ''
     if not why:
         return Choice(name, 'the %s operator, native and self-tested, %s' % (
             'asynchronous' if name == 'async' else 'exchange',
-            'for %s %s' % ('CPU contexts' if on_cpu else 'GPUs', where)
+            'for %s %s' % ('CPU contexts' if on_cpu else 'GPUs',
+                           'across processes' if cross_process else 'in one process')
             if requested == 'auto' else 'as %s=%s asks' % (BACKEND_VARIABLE, requested)))
-    if requested == 'auto' or transport.cross_process:
+    if requested == 'auto' or cross_process:
         head = '%sthe native operators are required' % (
-            'across processes ' if transport.cross_process else '')
+            'across processes ' if cross_process else '')
     else:
         head = '%s=%s' % (BACKEND_VARIABLE, requested)
-    # Without the library, its fix; with it, a setting that asks for another
+    # Without the library, its fix (a missing compiler, a cache directory
+    # that cannot be written); with it, a setting that asks for another
     # operator than the devices' own is what to undo.
-    advice = _fix() or (' Unset %s to let the library choose.' % BACKEND_VARIABLE
-                        if requested not in ('auto', natural) else '')
+    fix = native.status()['fix']
+    advice = ' %s.' % fix if fix else (' Unset %s to let the library choose.' % BACKEND_VARIABLE
+                                       if requested not in ('auto', natural) else '')
     return Choice(None, '%s, but %s.%s' % (head, why, advice))
 
 
 def make_backend(layer, devices, transport):
-    """The backend that runs ``layer``'s training calls on ``devices``;
-    raises, naming the reason and the fix, where none can."""
+    """The backend that runs the training calls of ``layer`` (a
+    :class:`~.base.Layer`) on ``devices``; raises, naming the reason and the
+    fix, where none can."""
     SESSION.load_native()
-    choice = choose(devices, transport)
+    choice = choose(devices, transport.cross_process,
+                    transport.why_not_native() if transport.cross_process else '')
     if choice.backend is None:
         raise SyncBatchNormError("SyncBatchNorm '%s': %s" % (layer.name, choice.reason))
     if transport.cross_process:
@@ -135,22 +111,12 @@ def make_backend(layer, devices, transport):
     return backend
 
 
-class _AnyRemote(object):
-    """A cross-process transport with a native twin (the report says which
-    engines have one)."""
-    cross_process = True
-
-    @staticmethod
-    def why_not_native():
-        return ''
-
-
 def explain():
     """``{question: Choice}`` for a layer on CPU contexts, on GPUs and across
     processes here (``python -m gluon_syncbn``)."""
-    requested, local, remote = requested_backend(), LocalTransport(), _AnyRemote()
-    return collections.OrderedDict([
-        ('CPU contexts', choose(['cpu(0)', 'cpu(1)'], local, requested)),
-        ('GPUs', choose(['gpu(0)', 'gpu(1)'], local, requested)),
-        ('across processes (CPU contexts)', choose(['cpu(0)'], remote, requested)),
-        ('across processes (GPUs)', choose(['gpu(0)'], remote, requested))])
+    requested = requested_backend()
+    return collections.OrderedDict(
+        (question, choose(devices, remote, '', requested)) for question, devices, remote in [
+            ('CPU contexts', ['cpu(0)', 'cpu(1)'], False), ('GPUs', ['gpu(0)', 'gpu(1)'], False),
+            ('across processes (CPU contexts)', ['cpu(0)'], True),
+            ('across processes (GPUs)', ['gpu(0)'], True)])

@@ -1,7 +1,9 @@
-"""What every backend shares: a layer's devices and sync groups, its state
-in the native session (an integer handle, the operators' ``layer``
-argument, created with the backend and removed with it), its arguments
-and tallies there, and the clean-up after an aborted step."""
+"""The two backends, and what they share: a layer's devices and sync
+groups, its state in the native session (an integer handle, the operators'
+``layer`` argument, created with the backend and removed with it), its
+tallies there, and the clean-up after an aborted step. The asynchronous
+operator's backend is here; the exchange operator's, with the graph around
+it, in :mod:`.vector_graph`."""
 import collections
 import os
 import weakref
@@ -11,7 +13,7 @@ from ..groups import partition
 from ..mxnet_private import dtype_name
 from ..tally import Tally
 
-__all__ = ['Backend', 'Call', 'Params', 'timeout_hint']
+__all__ = ['AsyncBackend', 'Backend', 'Call', 'Layer', 'Params', 'timeout_hint']
 
 
 # The layer's four parameter arrays (or, in a graph, symbols), in the order
@@ -19,7 +21,19 @@ __all__ = ['Backend', 'Call', 'Params', 'timeout_hint']
 Params = collections.namedtuple('Params', ['gamma', 'beta', 'running_mean', 'running_var'])
 
 
-class Call(collections.namedtuple('Call', ['dtype', 'static_shape', 'ndim', 'dtype_known'])):
+class Layer(collections.namedtuple('Layer', ['name', 'axis', 'fix_gamma', 'sync_groups',
+                                             'timeout', 'remote_timeout', 'params'])):
+    """What a backend and a transport know of a layer, fixed when its backend
+    is made (``SyncBatchNorm._sync_backend``): its name, ``axis`` and
+    ``fix_gamma``, its ``sync_groups`` as given (None: one group), its
+    timeouts in seconds (for the devices of its process, and for the other
+    workers) and its :data:`Params` (the Parameters). Its eps and momentum,
+    which users change between steps, come with each :class:`Call`."""
+    __slots__ = ()
+
+
+class Call(collections.namedtuple('Call', ['dtype', 'static_shape', 'ndim', 'dtype_known',
+                                           'eps', 'momentum'])):
     """How a training call's graph is made, beside its arrays.
 
     dtype : str
@@ -32,14 +46,24 @@ class Call(collections.namedtuple('Call', ['dtype', 'static_shape', 'ndim', 'dty
     dtype_known : bool
         Whether the input has dtype ``dtype`` (else, under AMP, it may be
         narrower).
+    eps, momentum : float
+        The layer's (its ``_kwargs``) when the call, or its graph, is made:
+        the operators' arguments, as for ``nn.BatchNorm``'s node.
     """
     __slots__ = ()
 
     @classmethod
-    def imperative(cls, x):
-        """An imperative call on NDArray ``x``: static in no sense (its
-        operator is made for it and knows the step it was issued in)."""
-        return cls(dtype_name(x.dtype), False, x.ndim, True)
+    def imperative(cls, x, kwargs):
+        """An imperative call on NDArray ``x`` of a layer with ``_kwargs``
+        ``kwargs``: static in no sense (its operator is made for it and knows
+        the step it was issued in)."""
+        return cls(dtype_name(x.dtype), False, x.ndim, True, kwargs['eps'], kwargs['momentum'])
+
+    def arguments(self):
+        """The operators' arguments this call sets (MXNet would make strings
+        of them; ``repr`` keeps every digit of eps and momentum)."""
+        return dict(static_shape=self.static_shape, input_dtype=self.dtype,
+                    eps=repr(float(self.eps)), momentum=repr(float(self.momentum)))
 
 LAST_BATCH_HINT = (
     "A device that never calls the layer was not given its part of the step (a loop over "
@@ -74,8 +98,8 @@ class Backend(object):
 
     Parameters
     ----------
-    layer : SyncBatchNorm
-        The layer (held weakly): its name, arguments and Parameters.
+    layer : Layer
+        What the backend knows of the layer.
     devices : list of str
         Its parameters' contexts, e.g. ``['cpu(0)', 'cpu(1)']``; a device's
         index is its position here.
@@ -90,29 +114,24 @@ class Backend(object):
     name = None
 
     def __init__(self, layer, devices, transport, lib, functions):
+        self.layer = layer
         self.layer_name = layer.name
         self.devices = list(devices)
-        self.kwargs = layer._kwargs  # the layer's own: changes show here
-        self.timeout, self.remote_timeout = layer._timeout, layer._remote_timeout
         self.transport = transport
-        self.hint = timeout_hint(self.devices)
-        self._layer = weakref.ref(layer)
-        self.contexts = layer.gamma.list_ctx()  # the Parameter's own list
+        self.contexts = layer.params.gamma.list_ctx()  # the Parameter's own list
         local = len(self.devices)
         workers, rank = (transport.num_workers, transport.rank) if transport.cross_process \
             else (1, 0)
-        self.sync_groups = partition(layer._sync_groups, local * workers, layer.name)
-        self.explicit_sync_groups = layer._sync_groups is not None
+        self.sync_groups = partition(layer.sync_groups, local * workers, layer.name)
         owner = {d: g for g, members in enumerate(self.sync_groups) for d in members}
         # Each local device's sync group, by index into sync_groups.
         self.sync_group_of = [owner[rank * local + i] for i in range(local)]
         self._lib, self._functions = lib, functions
-        self._sent = self._changing_arguments()
         self.handle = self._native_layer()
         # The operator's arguments that never change, as the strings MXNet
         # would make of them at every call.
-        self._arguments = dict(layer=str(self.handle), fix_gamma=str(self.kwargs['fix_gamma']),
-                               axis=str(self.kwargs['axis']), name='sync')
+        self._arguments = dict(layer=str(self.handle), fix_gamma=str(layer.fix_gamma),
+                               axis=str(layer.axis), name='sync')
 
     def _native_layer(self):
         """The handle of this layer's state in the native session, created
@@ -127,31 +146,17 @@ class Backend(object):
             if workers == 1 or any(len({d // local for d in members}) > 1
                                    for members in self.sync_groups):
                 twin = transport.make_native(self._lib)
-                if self.explicit_sync_groups:
+                if self.layer.sync_groups is not None:
                     # Each reduction also checks that the workers agree on the
                     # global numbering: every device owned once.
                     owners = [1.0 if rank * local <= d < (rank + 1) * local else 0.0
                               for d in range(local * workers)]
-        handle = self._lib.create_layer(self.layer_name, self.devices, self._sent, self.timeout,
-                                        self.remote_timeout, self.hint, self.sync_group_of,
-                                        len(self.sync_groups), twin, owners)
+        handle = self._lib.create_layer(self.layer_name, self.devices, self.layer.timeout,
+                                        self.layer.remote_timeout, timeout_hint(self.devices),
+                                        self.sync_group_of, len(self.sync_groups), twin, owners)
         # Not at interpreter exit: the exit hook still needs the layer then.
         weakref.finalize(self, self._lib.remove_layer, handle).atexit = False
         return handle
-
-    def _changing_arguments(self):
-        """``(eps, momentum)``, which users change between steps (a momentum
-        schedule sets ``layer._kwargs['momentum']``, as for nn.BatchNorm)."""
-        return self.kwargs['eps'], self.kwargs['momentum']
-
-    def follow_arguments(self):
-        """Before a training call is issued: the layer's eps and momentum,
-        if the user changed them, for this call and the later ones (an engine
-        operation ordered among the layer's calls, ``gsbn_set_arguments``)."""
-        arguments = self._changing_arguments()
-        if arguments != self._sent:
-            self._lib.set_arguments(self.handle, arguments)
-            self._sent = arguments
 
     def watch_empty_slice(self, x):
         """Before an imperative training call on ``x``, an empty slice: if an
@@ -183,13 +188,13 @@ class Backend(object):
     def tally(self, device):
         """Device ``device``'s :class:`~gluon_syncbn.tally.Tally` since
         :meth:`start_tally`, once its calls have completed."""
-        counts = self._lib.read_tally(self.handle, device, self._layer().gamma.shape[0])
+        counts = self._lib.read_tally(self.handle, device, self.layer.params.gamma.shape[0])
         return Tally(*counts) if counts is not None else Tally()
 
     def running_arrays(self, device):
         """Device ``device``'s running mean and variance (the layer's own arrays)."""
-        layer, ctx = self._layer(), self.contexts[device]
-        return [layer.running_mean.data(ctx), layer.running_var.data(ctx)]
+        params, ctx = self.layer.params, self.contexts[device]
+        return [params.running_mean.data(ctx), params.running_var.data(ctx)]
 
     def clear_failed_state(self):
         """Clear the error a failed step left on this layer's arrays (see
@@ -198,15 +203,24 @@ class Backend(object):
         step poisoned (their arrays are the next step's) is cleared with
         them; then every array its calls write, swallowing that error."""
         self._lib.settle(self.handle)
-        layer = self._layer()
-        if layer is None:
-            return
-        params = [layer.running_mean, layer.running_var] + [
-            p for p in (layer.gamma, layer.beta) if p.grad_req != 'null']
+        params = self.layer.params
+        written = [params.running_mean, params.running_var] + [
+            p for p in (params.gamma, params.beta) if p.grad_req != 'null']
         for ctx in self.contexts:
-            for param in params:
+            for param in written:
                 try:
                     arr = param.data(ctx) if param.grad_req == 'null' else param.grad(ctx)
                     arr.wait_to_read()
                 except Exception:  # pylint: disable=broad-except
                     pass  # the stale error of the aborted step, already reported
+
+
+class AsyncBackend(Backend):
+    """The asynchronous operator (``native/async_op.h``): the whole call in
+    one operator of MXNet's own kind. It reads and writes every float dtype
+    as it is, so no Cast surrounds it."""
+
+    name = 'async'
+
+    def forward(self, F, x, params, call):
+        return self._functions[F](x, *params, **call.arguments(), **self._arguments)

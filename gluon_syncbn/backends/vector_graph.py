@@ -1,4 +1,4 @@
-"""The graph around a vector operator, the exchange operator (GPUs).
+"""The exchange operator's backend (GPUs), and the graph around it.
 
 MXNet's own operators compute each device's per-channel moments of the input
 (on the device, on GPUs), the backend's operator synchronizes those vectors
@@ -8,11 +8,12 @@ call.
 """
 from mxnet import ndarray, symbol
 
+from ..cpu_contexts import on_cpu_path
 from ..mxnet_private import amp_initialized, dtype_name, operator_dtype
 from ..session import SETUP_LOCK
-from .base import Backend, Call, Params
+from .base import Backend, Params
 
-__all__ = ['LOW_PRECISION', 'VectorBackend']
+__all__ = ['LOW_PRECISION', 'ExchangeBackend']
 
 # Input dtypes whose statistics are computed in (at least) float32.
 LOW_PRECISION = ('float16', 'bfloat16')
@@ -35,25 +36,31 @@ def _channels_in_middle(F, x, axis):
     return F.reshape(x, shape=(0, 0, -1)), (0, 2)
 
 
-class VectorBackend(Backend):
-    """A backend whose operator sees per-channel vectors; the subclass
-    supplies the operator (:meth:`_exchange`). Imperative calls run as one
-    CachedOp per input dtype (:meth:`_cached_op`)."""
+class ExchangeBackend(Backend):
+    """The exchange operator (``native/exchange_op.h``) on the per-channel
+    moments MXNet's operators compute on the device. It updates the running
+    statistics where MXNet's BatchNorm does on these devices: in the forward
+    call on GPUs (cuDNN's), in the backward call on CPU contexts. Imperative
+    calls run as one CachedOp per input dtype (:meth:`_cached_op`)."""
+
+    name = 'exchange'
 
     def __init__(self, *args):
-        super(VectorBackend, self).__init__(*args)
+        super(ExchangeBackend, self).__init__(*args)
+        if on_cpu_path(self.devices):
+            self._arguments['running_update'] = 'backward'
         self._imperative_graphs = {}
 
     def forward(self, F, x, params, call):
         if F is ndarray:
             if x.size == 0:
                 return self._empty_slice(F, x, params, call)
-            op, order = self._cached_op(call.dtype, dtype_name(params.gamma.dtype), x.ndim)
+            op, order = self._cached_op(call, dtype_name(params.gamma.dtype))
             arrays = (x,) + tuple(params)
             return op(*[arrays[i] for i in order])
         return self._whole_graph(F, x, params, call)
 
-    def _cached_op(self, dtype, param_dtype, ndim):
+    def _cached_op(self, call, param_dtype):
         """The graph of an imperative call as one CachedOp, traced once per
         input dtype: one call into MXNet instead of one per operator, and
         static memory instead of a new array per operator output, each of
@@ -67,23 +74,26 @@ class VectorBackend(Backend):
         After an aborted step its static arrays carry no error: see
         ``Session.clear_failed_arrays``.
 
+        Its operator takes the call's eps and momentum as arguments: a
+        graph made for others is traced again, and replaces the one before
+        (a momentum schedule would otherwise keep one per value).
+
         Returns ``(op, order)``: ``op`` takes (x, gamma, beta, running_mean,
         running_var) permuted by ``order``, the order of its inputs.
         """
-        key = (dtype, param_dtype, amp_initialized(), ndim)
+        key = (call.dtype, param_dtype, amp_initialized(), call.ndim)
         cached = self._imperative_graphs.get(key)
-        if cached is None:
+        if cached is None or cached[0] != call:
             with SETUP_LOCK:  # traced once, whichever device's thread comes first
                 cached = self._imperative_graphs.get(key)
-                if cached is None:
-                    cached = self._imperative_graphs[key] = self._trace(dtype, ndim)
-        return cached
+                if cached is None or cached[0] != call:
+                    cached = self._imperative_graphs[key] = (call, *self._trace(call))
+        return cached[1:]
 
-    def _trace(self, dtype, ndim):
+    def _trace(self, call):
         names = ('data',) + Params._fields
         out = self._whole_graph(symbol, symbol.var('data'),
-                                Params(*[symbol.var(n) for n in Params._fields]),
-                                Call(dtype, static_shape=False, ndim=ndim, dtype_known=True))
+                                Params(*[symbol.var(n) for n in Params._fields]), call)
         order = [names.index(n) for n in out.list_inputs()]
         return ndarray.CachedOp(out, flags=[('static_alloc', True)]), order
 
@@ -122,7 +132,7 @@ class VectorBackend(Backend):
         it to the output's dtype, where MXNet's broadcast operators would
         refuse any other (AMP makes float16 heads for float32 outputs).
         """
-        axis, ndim = self.kwargs['axis'], call.ndim
+        axis, ndim = self.layer.axis, call.ndim
         m1 = F.mean(F.BlockGrad(xs), axis=axis, exclude=True, keepdims=True)
         xc = F.broadcast_sub(xs, m1)
         if ndim:
@@ -138,7 +148,8 @@ class VectorBackend(Backend):
         shaped to broadcast against the data, ``m2`` and ``v`` of shape
         (C,)): the (scale, shift) that normalize ``x - m1``, each shaped like
         ``m1``; ``data``'s shape gives the sample count."""
-        raise NotImplementedError
+        out = self._functions[F](*moments, *params, data, **call.arguments(), **self._arguments)
+        return out[0], out[1]
 
     def _empty_slice(self, F, x, params, call):
         """A slice with no samples: MXNet's reductions give NaN and its reshapes
@@ -146,7 +157,7 @@ class VectorBackend(Backend):
         from the shape, is 0) and still joins both exchanges; the empty output
         depends on scale so that its backward runs too."""
         dtype = call.dtype
-        axis = self.kwargs['axis'] % x.ndim
+        axis = self.layer.axis % x.ndim
         centre = [1] * x.ndim
         centre[axis] = x.shape[axis]
         stat = 'float32' if dtype in LOW_PRECISION else dtype

@@ -71,7 +71,6 @@ void async_forward(const mxnet::OpStatePtr& state, const mxnet::OpContext& ctx,
   c->y = array_of(out[0]);
   c->write = req[0];
   c->l = Layout(c->x.shape, p.axis);
-  c->take_arguments();
   if (!ctx.is_train) {  // predict mode inside a graph: the running statistics
     normalize(p, c->l, c->x, c->gamma, c->beta, running_statistics(c->rmean, c->rvar), c->y,
               c->write);

@@ -238,7 +238,6 @@ void exchange_op_forward(const mxnet::OpStatePtr& state, const mxnet::OpContext&
     return c->fail_call("on " + c->node.layer->devices[c->node.device] + " the exchange operator "
                         "was asked to add to its output, which it cannot");
   c->train = ctx.is_train;
-  c->take_arguments();
   if (c->train && !c->number()) return;
   const std::vector<mxnet::NDArray> reads = {plain(in[kM1]), in[kM2], in[kV], in[kGamma],
                                              in[kBeta], in[kRunningMean], in[kRunningVar]};

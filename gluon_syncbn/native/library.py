@@ -33,10 +33,9 @@ class Library(object):
                 ('gsbn_init', [c.c_char_p], None),
                 ('gsbn_register', [c.c_char_p], c.c_int),
                 ('gsbn_layer_create', [c.c_char_p, c.c_char_p, c.c_int, c.c_double, c.c_double,
-                                       c.c_double, c.c_double, c.c_char_p, c.POINTER(c.c_int),
+                                       c.c_char_p, c.POINTER(c.c_int),
                                        c.c_int, c.c_int, c.POINTER(c.c_double), c.c_int],
                  c.c_int64),
-                ('gsbn_set_arguments', [c.c_int64, c.c_double, c.c_double], c.c_int),
                 ('gsbn_layer_remove', [c.c_int64], None),
                 ('gsbn_stamp_static', [c.POINTER(c.c_int64), c.POINTER(c.c_int), c.c_int],
                  c.c_int),
@@ -81,14 +80,13 @@ class Library(object):
         """Register operator ``'async'`` or ``'exchange'`` in MXNet; True on success."""
         return self._lib.gsbn_register(op.encode()) == 0
 
-    def create_layer(self, name, devices, arguments, timeout, remote_timeout, hint,
+    def create_layer(self, name, devices, timeout, remote_timeout, hint,
                      sync_group_of, num_sync_groups, transport=0, owners=()):
-        """A layer's state on ``devices`` in the native session (its
-        ``arguments``: ``(eps, momentum)``); returns its handle."""
+        """A layer's state on ``devices`` in the native session; returns its handle."""
         c = ctypes
         return self._lib.gsbn_layer_create(
             name.encode(), b'\0'.join(d.encode() for d in devices), len(devices),
-            float(arguments[0]), float(arguments[1]), float(timeout), float(remote_timeout),
+            float(timeout), float(remote_timeout),
             hint.encode(),
             (c.c_int * len(devices))(*sync_group_of), num_sync_groups, transport or 0,
             (c.c_double * len(owners))(*owners), len(owners))
@@ -115,12 +113,6 @@ class Library(object):
         """'' where ``call(buffer)`` returns 0, else the text it wrote."""
         buf = ctypes.create_string_buffer(_TEXT)
         return '' if call(buf) == 0 else buf.value.decode('utf-8', 'replace')
-
-    def set_arguments(self, layer, arguments):
-        """``layer``'s calls issued from now on use ``arguments``: ``(eps,
-        momentum)``. True on success."""
-        return self._lib.gsbn_set_arguments(layer, float(arguments[0]),
-                                            float(arguments[1])) == 0
 
     def remove_layer(self, layer):
         self._lib.gsbn_layer_remove(layer)

@@ -13,11 +13,11 @@ typedef std::pair<LayerId, int> LayerKey;
 
 LayerKey layer_key(const LayerId& layer, int device) { return LayerKey(layer, device); }
 
-// The operator's string arguments, as the block passes them; eps and
-// momentum are the layer's when a forward call starts (SyncCall,
-// take_arguments). running_at_backward: the exchange operator updates the
-// running statistics in its backward call (CPU contexts), not its forward
-// (GPUs).
+// The operator's string arguments, as the block passes them (eps and
+// momentum as the layer has them when the call, or the graph, is made, as
+// for MXNet's BatchNorm). running_at_backward: the exchange operator
+// updates the running statistics in its backward call (CPU contexts), not
+// its forward (GPUs).
 struct Params {
   LayerId layer_id = 0;
   std::string dtype_name = "float32";
@@ -34,6 +34,8 @@ void set_param(Params* p, const std::string& key, const std::string& value) {
   else if (key == "static_shape") p->static_shape = yes;
   else if (key == "running_update") p->running_at_backward = value == "backward";
   else if (key == "axis") p->axis = std::stoi(value);
+  else if (key == "eps") p->eps = std::stod(value);
+  else if (key == "momentum") p->momentum = std::stod(value);
   else if (key == "input_dtype") p->dtype_name = value;
 }
 

@@ -109,10 +109,6 @@ struct Layer : std::enable_shared_from_this<Layer> {
   // Seconds a device waits for the others in this process, and a process
   // for the other workers (the remote phase, and the setup at a first call).
   double timeout, remote_timeout;
-  // The layer's eps and momentum for the calls that run now: the user may
-  // change them between steps (a momentum schedule); each change is an
-  // engine operation ordered among the layer's calls (gsbn_set_arguments).
-  double eps = 1e-5, momentum = 0.9;
   // The step token its calls are numbered in, and each device's next number.
   uint64_t numbered_token = 0;
   std::vector<int64_t> next_call;

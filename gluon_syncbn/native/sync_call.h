@@ -193,15 +193,6 @@ struct SyncCall : std::enable_shared_from_this<SyncCall> {
     return false;
   }
 
-  // Forward, as it starts to run: the layer's eps and momentum now, which
-  // its backward keeps (they are the state's: a layer's calls on a device
-  // run one after another).
-  void take_arguments() {
-    std::lock_guard<std::mutex> lock(g_mutex);
-    node.params.eps = node.layer->eps;
-    node.params.momentum = node.layer->momentum;
-  }
-
   // Forward: the call's step token and number; false (completed) for a call
   // of a step that failed earlier.
   bool number() {

@@ -88,20 +88,18 @@ int gsbn_register(const char* op) {
 }
 
 // A layer's state: its devices (NUL-separated names), each one's sync
-// group, its eps and momentum, the seconds a device waits for the others and
+// group, the seconds a device waits for the others and
 // a process for the other workers, and across processes the transport its
 // vectors leave through (0: none) with this worker's `num_owners` entries of
 // the global device ownership vector. Returns its handle, the operators'
 // `layer` argument.
-int64_t gsbn_layer_create(const char* name, const char* devices, int num_devices, double eps,
-                          double momentum, double timeout, double remote_timeout,
+int64_t gsbn_layer_create(const char* name, const char* devices, int num_devices,
+                          double timeout, double remote_timeout,
                           const char* hint, const int* sync_group_of, int num_sync_groups,
                           int transport, const double* owners, int num_owners) {
   auto layer = std::make_shared<Layer>();
   layer->name = name;
   layer->hint = hint;
-  layer->eps = eps;
-  layer->momentum = momentum;
   layer->timeout = timeout;
   layer->remote_timeout = remote_timeout;
   const char* d = devices;
@@ -205,24 +203,6 @@ int gsbn_watch_slice(NDArrayHandle x, const char* why) {
   }
   delete_engine_variable(seen);
   return failed;
-}
-
-// The user changed the eps or momentum of layer `handle`: its calls issued from
-// now on use these (one engine operation on its engine variables, so ordered
-// after the calls issued before on every device and before those issued
-// after). 0 on success.
-int gsbn_set_arguments(int64_t handle, double eps, double momentum) {
-  std::string error;
-  auto layer = find_layer(handle, &error);
-  if (!layer) return 1;
-  std::vector<mxnet::Engine::VarHandle> vars;
-  for (size_t i = 0; i < layer->devices.size(); ++i)
-    vars.push_back(layer_variable(layer_key(handle, static_cast<int>(i))));
-  return push_ordering([layer, eps, momentum]() {
-    std::lock_guard<std::mutex> lock(g_mutex);
-    layer->eps = eps;
-    layer->momentum = momentum;
-  }, vars, "gluon_syncbn_arguments");
 }
 
 // Waits for the calls of layer `handle` issued so far on every device and
