@@ -16,13 +16,13 @@
   synchronizing graph outside a block's call is refused (``graphs``): it
   would normalize each device's slice alone, silently.
 * Until the process has made a layer (``SyncBatchNorm.made_any``) no graph
-  holds one and nothing can synchronize, and every hook but the step hooks
-  takes MXNet's own path at once (each checks the flag at its call, so a
-  scope or read begun before the first layer is judged when it ends). The
-  step hooks keep noting which threads record or train
-  (``Session.thread_in_step``) from the start: a thread inside ``record()``
-  when another makes the first layer can say so only then, and a step's
-  threads join it only while one is known to be inside.
+  holds one and nothing synchronizes: the hooks take MXNet's own path at
+  once, testing the flag when they run (a ``record()`` scope entered before
+  the first layer is watched when it is left), but for the step hooks' note
+  of which threads record or train (``Session.thread_in_step``), kept from
+  the start: a thread inside ``record()`` when another makes the first layer
+  could tell it no later, and a thread starting then joins that step only
+  if one is known to be inside.
 * A backward error names our layer only where it is the cause
   (``backward_errors``).
 * A network's first training call that synchronizes is checked for
