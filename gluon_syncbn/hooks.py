@@ -14,9 +14,15 @@
   the layers' arrays (the block does it in imperative mode); ``export()``
   writes the traced graph without marks; a CachedOp or a Module made from a
   synchronizing graph outside a block's call is refused (``graphs``): it
-  would normalize each device's slice alone, silently. Until the process
-  has made a layer (``SyncBatchNorm.made_any``) no graph holds one, and
-  these take MXNet's own path at once.
+  would normalize each device's slice alone, silently.
+* Until the process has made a layer (``SyncBatchNorm.made_any``) no graph
+  holds one and nothing synchronizes: the hooks take MXNet's own path at
+  once, testing the flag when they run (a ``record()`` scope entered before
+  the first layer is watched when it is left), but for the step hooks' note
+  of which threads record or train (``Session.thread_in_step``), kept from
+  the start: a thread inside ``record()`` when another makes the first layer
+  could tell it no later, and a thread starting then joins that step only
+  if one is known to be inside.
 * A backward error names our layer only where it is the cause
   (``backward_errors``).
 * A network's first training call that synchronizes is checked for
@@ -88,6 +94,8 @@ def install_data_loader_hook(loader_class, session, across_processes):
 
     def __iter__(self):
         batches = original(self)
+        if not SyncBatchNorm.made_any:
+            return batches
         return _WatchedBatches(batches, session) if across_processes() else batches
 
     __iter__._gluon_syncbn_hooked = True
@@ -134,20 +142,18 @@ def install_step_hooks(autograd_module, session):
     set_recording, set_training = autograd_module.set_recording, autograd_module.set_training
     is_recording, is_training = autograd_module.is_recording, autograd_module.is_training
 
-    def switched(before, after):
-        if before != after:
-            session.thread_in_step(after)
-
     def set_recording_hooked(is_record):
         previous = set_recording(is_record)
         training = is_training()
-        switched(previous or training, bool(is_record) or training)
+        if not training and bool(previous) != bool(is_record):
+            session.thread_in_step(bool(is_record))
         return previous
 
     def set_training_hooked(train_mode):
         previous = set_training(train_mode)
         recording = is_recording()
-        switched(previous or recording, bool(train_mode) or recording)
+        if not recording and bool(previous) != bool(train_mode):
+            session.thread_in_step(bool(train_mode))
         return previous
 
     for name, function, original in (('set_recording', set_recording_hooked, set_recording),
@@ -276,6 +282,8 @@ def install_grad_hooks(autograd_module, ndarray_class, session):
 
     def translated(function, heads_of):
         def call(*args, **kwargs):
+            if not SyncBatchNorm.made_any:
+                return function(*args, **kwargs)
             session.separate_this_thread()
             try:
                 return function(*args, **kwargs)
@@ -302,7 +310,7 @@ def install_trainer_hook(trainer_class, session, waitall):
     original = trainer_class._init_params
 
     def _init_params(self):
-        if session.active() and self._params_to_init:
+        if SyncBatchNorm.made_any and session.active() and self._params_to_init:
             try:
                 waitall()  # running statistics written by pending engine operations
             except Exception as exc:  # pylint: disable=broad-except
@@ -324,7 +332,7 @@ def install_read_hooks(ndarray_class, namespaces, session):
 
     def noted(function, describe, whole_engine=False):
         def read(*args, **kwargs):
-            if not session.active():
+            if not SyncBatchNorm.made_any or not session.active():
                 return function(*args, **kwargs)
             session.native.reading(describe(*args), session.sole_thread())
             try:
@@ -358,7 +366,8 @@ def install_read_hooks(ndarray_class, namespaces, session):
 
 def install():
     """Install every hook (idempotent; the package's ``__init__`` does, at
-    import); each does nothing until a layer has synchronized."""
+    import); each takes MXNet's path until a layer is made (the step hooks
+    note the threads in a step from the start: see the module docstring)."""
     install_record_abort_hook(mx.autograd._RecordingStateScope, SESSION)
     install_step_hooks(mx.autograd, SESSION)
     install_data_loader_hook(mx.gluon.data.DataLoader, SESSION, transport.across_processes)

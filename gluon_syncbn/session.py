@@ -181,7 +181,9 @@ class Session(object):
         its threads failed it meanwhile: its calls then fail at once instead
         of waiting for the failed thread's device."""
         me = threading.get_ident()
-        if inside:
+        # Each test below is the callee's own, made here: a process with no
+        # layer runs only this function per switch (and needs no more).
+        if inside and self.cpu_temp_space == '':
             self.separate_this_thread()  # it issues operations from now on
         with self._threads_lock:
             if not inside:
@@ -189,7 +191,7 @@ class Session(object):
                 return
             if self._inside and not self._inside.issubset(_live_threads()):
                 self._inside &= _live_threads()  # threads that ended inside one
-            if not self._inside:
+            if not self._inside and self.native is not None:
                 self.restart()
             self._inside.add(me)
 

@@ -63,3 +63,49 @@ def test_a_new_owner_never_sees_an_old_ones_calls():
                                                              'float64')
                             for d in range(4)]) == [None] * 4
         assert new._gluon_syncbn_dtypes[2] == {}
+
+
+def test_a_process_without_layers_runs_the_hooks_alone_and_still_knows_its_step():
+    # Before a layer is made every hook takes MXNet's path at once, but for
+    # the step hooks' note of which threads are in a step: a thread in
+    # record() when the first layer is made is known to be in it, so a
+    # thread starting then joins its step (sole_thread: not alone).
+    from tests.conftest import run_python  # pylint: disable=import-outside-toplevel
+    code = r'''
+import collections, os, sys, threading
+import mxnet as mx
+from mxnet import autograd
+from mxnet.gluon import nn
+import gluon_syncbn
+from gluon_syncbn.session import SESSION
+net = nn.HybridSequential()
+net.add(nn.Dense(4), nn.BatchNorm())
+net.initialize(ctx=mx.cpu(0))
+x = mx.nd.ones((2, 3))
+net(x).wait_to_read()  # deferred initialization, which scopes its own calls
+package = os.path.dirname(gluon_syncbn.__file__)
+ran = collections.Counter()
+def profile(frame, event, arg):
+    if event == 'call' and frame.f_code.co_filename.startswith(package):
+        ran[frame.f_code.co_name] += 1
+sys.setprofile(profile)
+with autograd.record():
+    out = net(x)
+out.backward()
+out.asnumpy()
+mx.nd.waitall()
+sys.setprofile(None)
+print('RAN', sorted(ran.items()))
+with autograd.record():
+    gluon_syncbn.SyncBatchNorm()
+    alone = []
+    worker = threading.Thread(target=lambda: alone.append(SESSION.sole_thread()))
+    worker.start()
+    worker.join(30)
+    print('ALONE', alone)
+'''
+    proc = run_python(code)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "RAN [('__exit__', 1), ('call', 1), ('read', 2), ('set_recording_hooked', 2), " \
+        "('set_training_hooked', 2), ('thread_in_step', 2)]" in proc.stdout, proc.stdout
+    assert 'ALONE [False]' in proc.stdout, proc.stdout
