@@ -66,7 +66,7 @@ def test_an_abandoned_step_ends_itself_and_nothing_else(results, case):
     errs = result_of(batch, first + ABORTS.index(case))
     assert errs['operator'] == PATH_OPERATOR[path], errs
     assert errs['failed'] == 0, errs
-    _exact(errs, ('first', 'y', 'running_mean', 'running_var'))
+    _exact(errs, ('first', 'first_grads', 'y', 'running_mean', 'running_var'))
     # The failures the operators complete in the engine raise as ours
     # wherever they surface (reset: the abort's; missing: the timeout).
     expected = {None: 'ValueError', 'interrupt': 'KeyboardInterrupt',
