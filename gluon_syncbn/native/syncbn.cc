@@ -300,7 +300,7 @@ void gsbn_reading(const char* read, int sole) {
 
 // The current step's token; `begin`: a training step begins first (Python's
 // record()/train_mode() scope is entered), so calls issued from now get it
-// (a step of their own where balanced_locked, else the step's before).
+// (a new step where balanced_locked, else the one begun before).
 uint64_t gsbn_step(int begin) {
   std::lock_guard<std::mutex> lock(g_mutex);
   if (begin) {

@@ -3,6 +3,7 @@ statistics, aborted steps, predict calls inside a step, a new device set
 (tests/test_run_ahead.py; tests/test_native_transport.py and
 tests/dist_worker.py's jobs run run_ahead too).
 """
+import contextlib
 import threading
 import time
 
@@ -64,7 +65,7 @@ class _HeldProp(mx.operator.CustomOpProp):
 
 @scenario
 def aborted_then_exact(hybridize='static', cause='user_code', aborts=1, steps=4, delay=800,
-                       num_devices=3, timeout_seconds=30.0, seed=0):
+                       num_devices=3, timeout_seconds=30.0, seed=0, blocks=False):
     """One exact step whose backward calls stay queued (its head gradients
     held, _Held) until the first abandoned step failed, then ``aborts``
     steps abandoned by ``cause`` with the layers' calls held behind a
@@ -79,7 +80,9 @@ def aborted_then_exact(hybridize='static', cause='user_code', aborts=1, steps=4,
     the wrong channel count: the layer refuses it), ``'missing'`` (the last
     device is never fed: the others' calls time out, after
     ``timeout_seconds``, and a read raises) or ``'reset'``
-    (``gluon_syncbn.reset()`` there)."""
+    (``gluon_syncbn.reset()`` there). ``blocks``: every step records one
+    ``autograd.record()`` block per device (one step all the same: an abort
+    in the last fails the others' calls at once)."""
     _RELEASE.clear()
     rng = np.random.RandomState(seed)
     ctxs = contexts(num_devices)
@@ -90,20 +93,24 @@ def aborted_then_exact(hybridize='static', cause='user_code', aborts=1, steps=4,
 
     def step(x, fail=None, dy=None):
         outs = []
-        with autograd.record():
+        # One record() block for all devices, or (``blocks``) one per device
+        outer, inner = ((contextlib.nullcontext, autograd.record) if blocks
+                        else (autograd.record, contextlib.nullcontext))
+        with outer():
             for i, c in enumerate(ctxs):
-                last = i == num_devices - 1
-                if last and fail == 'user_code':
-                    raise ValueError('user code failed on the last device')
-                if last and fail == 'interrupt':
-                    raise KeyboardInterrupt
-                if last and fail == 'reset':
-                    gluon_syncbn.reset()
-                    return outs
-                if last and fail == 'missing':
-                    return outs
-                xi = x[i:i + 1] if not (last and fail == 'bad_input') else x[i:i + 1, :2]
-                outs.append(net(mx.nd.array(xi, ctx=c), slows[i]))
+                with inner():
+                    last = i == num_devices - 1
+                    if last and fail == 'user_code':
+                        raise ValueError('user code failed on the last device')
+                    if last and fail == 'interrupt':
+                        raise KeyboardInterrupt
+                    if last and fail == 'reset':
+                        gluon_syncbn.reset()
+                        return outs
+                    if last and fail == 'missing':
+                        return outs
+                    xi = x[i:i + 1] if not (last and fail == 'bad_input') else x[i:i + 1, :2]
+                    outs.append(net(mx.nd.array(xi, ctx=c), slows[i]))
         autograd.backward(outs, None if dy is None else [
             mx.nd.Custom(mx.nd.array(dy[i:i + 1], ctx=c), op_type='gluon_syncbn_tests_held')
             for i, c in enumerate(ctxs)])
