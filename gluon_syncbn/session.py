@@ -31,14 +31,16 @@ CPU_TEMP_SLOTS = 4
 class Session(object):
     """Which training step calls belong to, across all layers of the process.
 
-    Operators take a token when they are issued (in imperative and
+    Operators take their step when they are issued (in imperative and
     dynamic-graph mode; a static graph's calls are stamped with it, see
     ``graphs``). A failure that leaves calls without partners (a device raised, a
-    device never came, ``reset()``) starts a new token: calls issued before
-    it fail at once with the cause instead of waiting, or pairing with the
-    next step's calls. Calls issued after the failure but before the next
-    step begins (:meth:`thread_in_step`) still get the old token: they are
-    the rest of the failed step.
+    device never came, ``reset()``) fails the step and starts a new token:
+    the step's calls fail at once with the cause instead of waiting, or
+    pairing with the next step's calls. Calls issued after the failure but
+    before the next step begins (:meth:`thread_in_step`) still get the
+    failed step: they are the rest of it. A failure seen in Python fails the
+    current step alone: an earlier step's calls still queued in the engine
+    run on (``session.h``, ``abort_locked``).
 
     Every source of a failure in Python (bad input, an exception leaving
     ``record()``, interpreter exit, ``reset()``) enters here through
@@ -159,7 +161,9 @@ class Session(object):
 
     def restart(self):
         """Calls issued from now on belong to a new step (a step begins,
-        ``reset()``)."""
+        ``reset()``); to the one before where a layer has had more calls
+        issued on one device than on another (``gsbn_step``): a loop of one
+        ``record()`` block per device is one step."""
         if self.native is None:
             return
         self._issue_token = self.native.token(begin=True)
@@ -265,7 +269,8 @@ class Session(object):
 
     def fail_step(self, cause=None, exiting=False, raised=None):
         """The current step failed with ``cause`` (default: ``gluon_syncbn.reset()``
-        was called): abort it, so that every call of it fails at once.
+        was called): abort it, so that every call of it fails at once (at
+        interpreter exit, every call issued so far).
         ``exiting``: at interpreter exit, which is never fatal to a job.
         ``raised``: the user's exception that abandoned the step in this
         thread (:meth:`raised_elsewhere`)."""
@@ -306,7 +311,7 @@ OPEN_CALLS = 4096
 
 
 def reset():
-    """Fail every waiting SyncBatchNorm call now and restart the call numbering.
+    """Fail the current step's SyncBatchNorm calls now and restart the call numbering.
 
     Not needed after the errors this library raises (it recovers by itself);
     for code that abandons a step half-way for its own reasons.

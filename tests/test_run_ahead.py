@@ -24,7 +24,8 @@ ABORTS = [dict(hybridize=h) for h in (True, False, 'static_alloc', 'static')] + 
     dict(hybridize='static', cause='interrupt', aborts=3),
     dict(hybridize='static', cause='bad_input'),
     dict(hybridize='static', cause='reset'),
-    dict(hybridize='static', cause='missing', timeout_seconds=3.0)]
+    dict(hybridize='static', cause='missing', timeout_seconds=3.0),
+    dict(hybridize=True, blocks=True)]
 PREDICTS = [dict(pattern='targets', hybridize='static'), dict(pattern='targets', hybridize=True),
             dict(pattern='gan', hybridize='static')]
 MOVES = [dict(change='reset_ctx', before=4, after=2, hybridize='static'),
@@ -56,7 +57,8 @@ def _exact(errs, keys, tol=F32):
 
 
 @pytest.mark.parametrize('case', ABORTS, ids=lambda a: '%s-%s%s' % (
-    a['hybridize'], a.get('cause', 'user_code'), '-x%d' % a['aborts'] if 'aborts' in a else ''))
+    a['hybridize'], a.get('cause', 'user_code'), '-x%d' % a['aborts'] if 'aborts' in a else '')
+    + ('-blocks' if a.get('blocks') else ''))
 def test_an_abandoned_step_ends_itself_and_nothing_else(results, case):
     """Later steps exact, the running statistics untouched by the abandoned
     ones, and no wait for the layers' 30 s timeout: the sequence takes what
@@ -66,7 +68,7 @@ def test_an_abandoned_step_ends_itself_and_nothing_else(results, case):
     errs = result_of(batch, first + ABORTS.index(case))
     assert errs['operator'] == PATH_OPERATOR[path], errs
     assert errs['failed'] == 0, errs
-    _exact(errs, ('first', 'y', 'running_mean', 'running_var'))
+    _exact(errs, ('first', 'first_grads', 'y', 'running_mean', 'running_var'))
     # The failures the operators complete in the engine raise as ours
     # wherever they surface (reset: the abort's; missing: the timeout).
     expected = {None: 'ValueError', 'interrupt': 'KeyboardInterrupt',

@@ -36,11 +36,12 @@ std::chrono::steady_clock::time_point deadline_in(double seconds) {
              std::chrono::duration<double>(seconds));
 }
 
-// The meeting of `key`, created by its first device (lock held).
-std::shared_ptr<Meeting> meeting_locked(Layer& layer, const Key& key) {
+// The meeting of `key`, created by its first device, a call of `step` (lock held).
+std::shared_ptr<Meeting> meeting_locked(Layer& layer, const Key& key,
+                                        const std::shared_ptr<Step>& step) {
   auto& slot = layer.meetings[key];
   if (!slot) {
-    slot = std::make_shared<Meeting>(std::get<1>(key), static_cast<int>(layer.devices.size()));
+    slot = std::make_shared<Meeting>(step, static_cast<int>(layer.devices.size()));
     slot->deadline = deadline_in(layer.timeout);
   }
   return slot;
@@ -170,15 +171,15 @@ void watchdog() {
 
 // `done` runs once, on whichever thread completes the meeting
 // (the last device to arrive, an abort, or the watchdog at the deadline).
-void meet_async(Layer& layer, const Key& key, int device, std::vector<double> value,
-                    const std::string& dtype, Waiter done) {
+void meet_async(Layer& layer, const Key& key, const std::shared_ptr<Step>& step, int device,
+                std::vector<double> value, const std::string& dtype, Waiter done) {
   {
     std::lock_guard<std::mutex> lock(g_mutex);
     if (!g_watchdog_started) {
       g_watchdog_started = true;
       std::thread(watchdog).detach();
     }
-    if (std::get<1>(key) != g_token) {
+    if (!current_locked(*step)) {
       g_pending.emplace_back(std::move(done), failure_text(stale_message(layer.name)),
                              std::vector<double>());
     } else if (layer.transport && !g_broken.empty()) {
@@ -186,7 +187,7 @@ void meet_async(Layer& layer, const Key& key, int device, std::vector<double> va
                              std::vector<double>());
     } else {
       const int n = static_cast<int>(layer.devices.size());
-      std::shared_ptr<Meeting> meeting = meeting_locked(layer, key);
+      std::shared_ptr<Meeting> meeting = meeting_locked(layer, key, step);
       meeting->values[device] = std::move(value);
       meeting->dtypes[device] = dtype;
       meeting->waiters.emplace_back(device, std::move(done));

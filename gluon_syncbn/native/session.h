@@ -38,11 +38,26 @@ namespace {
 struct Meeting;
 struct Layer;
 
+// A step as its calls see it: the token they are numbered in and whether an
+// abort failed it. Calls and meetings hold theirs, so that an abort from
+// Python fails the current step's calls and leaves an earlier step's, still
+// queued in the engine, to meet one another under their own token.
+struct Step {
+  uint64_t token;
+  bool failed;
+};
+
 // Never destroyed: the watchdog thread and MXNet's engine threads may still
 // use them while the process exits.
 std::mutex& g_mutex = *new std::mutex();  // guards every structure below and every Layer
-uint64_t g_token = 0;        // the current step; advanced by every abort
-uint64_t g_issue_token = 0;  // what calls issued now get: g_token as of the step's start
+uint64_t g_token = 0;  // the token of the next step begun; advanced by every abort
+// What calls issued now get: the step begun last (gsbn_step), with g_token
+// as of its start. A new one begins only where every layer has had as many
+// calls issued on each device since its token began (balanced_locked): a
+// loop of one record() block per device stays one step, so an abort fails
+// every device's calls of it.
+std::shared_ptr<Step>& g_step = *new std::shared_ptr<Step>(new Step{0, false});
+uint64_t g_failed_below = 0;  // every call of a lower token failed (a whole abort)
 std::string& g_cause = *new std::string();       // why the last abort was
 std::string& g_cause_kind = *new std::string();  // and the exception it is raised as
 // Every layer by its handle (the operators' `layer` argument), handed out
@@ -81,14 +96,16 @@ bool g_watchdog_started = false;
 std::chrono::steady_clock::time_point g_watchdog_wake;
 
 typedef std::tuple<int, uint64_t, int64_t> Key;  // (0 fwd / 1 bwd, token, call number)
-const uint64_t kNotStamped = UINT64_MAX;
+
+// Whether calls of `step` may still run (lock held).
+bool current_locked(const Step& step) { return !step.failed && step.token >= g_failed_below; }
 
 // A device's continuation: called once, with the error (failure_text's) or
 // with its sync group's sum, after the lock is released (run_pending).
 typedef std::function<void(const std::string& error, const std::vector<double>& sum)> Waiter;
 
 struct Meeting {
-  uint64_t token;
+  std::shared_ptr<Step> step;               // its calls' (the k-th of each device share one)
   std::vector<std::vector<double>> values;  // one vector per device
   std::vector<std::string> dtypes;
   int arrived = 0, taken = 0;
@@ -98,7 +115,7 @@ struct Meeting {
   std::vector<std::pair<int, Waiter>> waiters;  // the devices' continuations
   std::chrono::steady_clock::time_point deadline;
   bool remote = false;                      // in the remote phase (across processes)
-  Meeting(uint64_t t, int n) : token(t), values(n), dtypes(n) {}
+  Meeting(const std::shared_ptr<Step>& s, int n) : step(s), values(n), dtypes(n) {}
 };
 
 struct Layer : std::enable_shared_from_this<Layer> {
@@ -109,9 +126,14 @@ struct Layer : std::enable_shared_from_this<Layer> {
   // Seconds a device waits for the others in this process, and a process
   // for the other workers (the remote phase, and the setup at a first call).
   double timeout, remote_timeout;
-  // The step token its calls are numbered in, and each device's next number.
-  uint64_t numbered_token = 0;
+  // Per device, the step token its calls are numbered in and its next
+  // number (per device: an earlier token's calls may still run on one
+  // device after another's began the next token).
+  std::vector<uint64_t> numbered_token;
   std::vector<int64_t> next_call;
+  // Per device, the calls issued since token `issued_token` began (balanced_locked).
+  uint64_t issued_token = 0;
+  std::vector<int64_t> issued;
   std::map<Key, std::shared_ptr<Meeting>> meetings;
   // Across processes, where a sync group spans workers: the transport, the
   // layer's slot in it (-1 until its first call), and this worker's entries
@@ -119,11 +141,10 @@ struct Layer : std::enable_shared_from_this<Layer> {
   std::shared_ptr<Transport> transport;
   int slot = -1;
   std::vector<double> ownership;
-  // Static graphs: per device, the token of the step its next calls were
-  // issued in, as the last stamp set it (gsbn_stamp_static; kNotStamped
-  // before the first).
-  std::vector<uint64_t> stamped_token;
-  // Per device, the thread that issued its last call (issue_token).
+  // Static graphs: per device, the step its next calls were issued in, as
+  // the last stamp set it (gsbn_stamp_static; null before the first).
+  std::vector<std::shared_ptr<Step>> stamped_step;
+  // Per device, the thread that issued its last call (issue_step).
   std::vector<std::thread::id> issuer;
   // While a tally is on, each device's forward calls add their global
   // statistics to its tally (add_to_tally).
@@ -246,23 +267,35 @@ void watch_helpers(const std::shared_ptr<Transport>& t) {
 
 void retire_cpu_temp_space();  // cpu_resources.h
 
-// Fail every waiting meeting: the step is over (lock held). Fatal where
-// other workers wait for this one's reductions, except at interpreter exit.
-// Every meeting goes: a call of the aborted step that arrives later is
-// refused by its token (meet_async), so none of them can be joined again.
+// Fail the current step (`whole`: every call issued so far), its waiting
+// meetings at once (lock held); the next step numbers its calls afresh.
+// Python's aborts fail the current step only: an earlier step's calls still
+// queued run and meet as usual. The library's (a timeout, devices that
+// disagree, a refused copy) and the exit's are whole: their cause may hold
+// up any call, and every wait must end. Fatal where other workers wait for this
+// one's reductions, except at interpreter exit. A failed call that arrives
+// later is refused by its step (meet_async), so no failed meeting is joined again.
 void abort_locked(const std::string& cause, const std::string& kind = kSyncBatchNormError,
-                  bool exiting = false) {
+                  bool exiting = false, bool whole = true) {
   if (!exiting && g_remote_rank >= 0 && others_wait_locked())
     fatal_locked(message("worker_step_failed",
                          {{"rank", std::to_string(g_remote_rank)}, {"cause", cause}}));
+  g_step->failed = true;
+  if (whole) g_failed_below = g_token + 1;
   ++g_token;
   g_cause = cause;
   g_cause_kind = kind;
   retire_cpu_temp_space();  // what runs from now on takes slots the failed step's do not poison
   for (auto& layer : live_layers_locked()) {
-    std::map<Key, std::shared_ptr<Meeting>> meetings;
-    meetings.swap(layer->meetings);
-    for (auto& e : meetings)
+    std::vector<std::pair<Key, std::shared_ptr<Meeting>>> failed;
+    for (auto it = layer->meetings.begin(); it != layer->meetings.end();)
+      if (current_locked(*it->second->step)) {
+        ++it;
+      } else {
+        failed.emplace_back(*it);
+        it = layer->meetings.erase(it);
+      }
+    for (auto& e : failed)
       if (!e.second->done && e.second->error.empty()) {
         e.second->error = in_layer(layer->name, cause);
         e.second->kind = kind;
@@ -273,12 +306,22 @@ void abort_locked(const std::string& cause, const std::string& kind = kSyncBatch
 
 // Abort the step from outside a meeting (a call that cannot take part,
 // Python's failures): the other devices' calls fail at once.
-void abort_step(const std::string& cause, bool exiting = false) {
+void abort_step(const std::string& cause, bool exiting = false, bool whole = true) {
   {
     std::lock_guard<std::mutex> lock(g_mutex);
-    abort_locked(cause, kSyncBatchNormError, exiting);
+    abort_locked(cause, kSyncBatchNormError, exiting, whole);
   }
   run_pending();
+}
+
+// Whether every layer has had as many calls issued on each device since its
+// token began: where a new step may begin (lock held).
+bool balanced_locked() {
+  for (auto& layer : live_layers_locked())
+    if (layer->issued_token == g_step->token)
+      for (int64_t n : layer->issued)
+        if (n != layer->issued[0]) return false;
+  return true;
 }
 
 // Why a call of `layer`, whose sums leave the process, cannot run once
@@ -320,34 +363,35 @@ void add_to_tally(Layer& layer, int device, const Info& stats) {
   if (layer.tallying) layer.tallies[device].add(stats);
 }
 
-// Numbers a forward call of `device`: sets its step token and call number, or
-// returns false with `error` set for a call of a step that failed earlier.
-// `issued` is the token the call got when it was issued; static graphs
-// create their operators once, so there the call's is the token stamped
-// before it (gsbn_stamp_static), or, where no stamp ran, the current one.
-bool number_call(Layer& layer, int device, bool static_graph, uint64_t issued, uint64_t* token,
+// Numbers a forward call of `device`: sets its step (`step`: the one it got
+// when it was issued; static graphs create their operators once, so there
+// the one stamped before it, gsbn_stamp_static, or, where no stamp ran, a
+// current one) and call number, or returns false with `error` set for a
+// call of a step that failed.
+bool number_call(Layer& layer, int device, bool static_graph, std::shared_ptr<Step>* step,
                  int64_t* call, std::string* error) {
   std::lock_guard<std::mutex> lock(g_mutex);
-  const uint64_t stamped = static_graph ? layer.stamped_token[device] : kNotStamped;
-  *token = !static_graph ? issued : stamped != kNotStamped ? stamped : g_token;
-  if (*token != g_token) {
+  if (static_graph) {
+    *step = layer.stamped_step[device];
+    if (!*step) step->reset(new Step{g_token, false});
+  }
+  if (!current_locked(**step)) {
     *error = stale_message(layer.name);
     return false;
   }
-  if (*token != layer.numbered_token) {
-    layer.numbered_token = *token;
-    layer.next_call.assign(layer.devices.size(), 0);
+  if ((*step)->token != layer.numbered_token[device]) {
+    layer.numbered_token[device] = (*step)->token;
+    layer.next_call[device] = 0;
   }
   *call = layer.next_call[device]++;
   return true;
 }
 
-// False with `error` set if a backward call of `layer` issued with `issued`
-// belongs to a step that failed since.
-bool backward_current(const Layer& layer, bool static_graph, uint64_t issued, std::string* error) {
-  if (static_graph) return true;
+// False with `error` set if a backward call of `layer` whose forward was
+// of `step` belongs to a step that failed since.
+bool backward_current(const Layer& layer, const Step& step, std::string* error) {
   std::lock_guard<std::mutex> lock(g_mutex);
-  if (issued == g_token) return true;
+  if (current_locked(step)) return true;
   *error = stale_message(layer.name);
   return false;
 }

@@ -57,14 +57,20 @@ int device_index(const Layer& layer, const std::string& ctx, std::string* error)
   return -1;
 }
 
-// The token of a call of `layer` issued now on its device `device` (imperative
+// The step of a call of `layer` issued now on its device `device` (imperative
 // and dynamic graphs; a static graph's, stamped), this thread noted as the
-// device's issuer. A call issued after an abort but before the next step
-// begins belongs to the failed step.
-uint64_t issue_token(Layer& layer, int device) {
+// device's issuer; `call`: a call (not a static graph's operator, made once
+// whenever MXNet sets the graph up), counted (balanced_locked). A call issued
+// after an abort but before the next step begins belongs to the failed step.
+std::shared_ptr<Step> issue_step(Layer& layer, int device, bool call) {
   std::lock_guard<std::mutex> lock(g_mutex);
   layer.issuer[device] = std::this_thread::get_id();
-  return g_issue_token;
+  if (layer.issued_token != g_step->token) {
+    layer.issued_token = g_step->token;
+    layer.issued.assign(layer.devices.size(), 0);
+  }
+  layer.issued[device] += call;
+  return g_step;
 }
 
 // The engine variable of a layer's calls on one device, shared by all their
@@ -85,14 +91,14 @@ mxnet::Engine::VarHandle layer_variable(const LayerKey& key) {
 }
 
 // One graph node's state (an operator instance): its arguments, its layer and device, the step it
-// was issued in (unused in static graphs, whose instances outlive steps),
-// and its forward call's global statistics.
+// was issued in (in static graphs, whose instances outlive steps, that of
+// its last forward call: number_call), and its forward call's global statistics.
 struct NodeState {
   Params params;
   std::shared_ptr<Layer> layer;
   int device = -1;       // the index among the layer's devices
   int dev_id = 0;        // the context's id: whose worker runs continuations
-  uint64_t token = 0;
+  std::shared_ptr<Step> step;
   Info stats;            // call < 0: the forward ran in inference mode
 };
 
@@ -111,7 +117,7 @@ mxnet::OpStatePtr create_state(State* state, const nnvm::NodeAttrs& attrs,
   node.device = device_index(*node.layer, kind + std::to_string(ctx.dev_id) + ")", &error);
   if (node.device < 0) refuse(error);
   node.dev_id = ctx.dev_id;
-  node.token = issue_token(*node.layer, node.device);
+  node.step = issue_step(*node.layer, node.device, !node.params.static_shape);
   if (!attach_remote(*node.layer, channels, node.params.dtype_name, &error)) refuse(error);
   return make_state(state, layer_variable(layer_key(node.params.layer_id, node.device)));
 }
@@ -197,9 +203,11 @@ struct SyncCall : std::enable_shared_from_this<SyncCall> {
   // of a step that failed earlier.
   bool number() {
     std::string error;
-    return number_call(*node.layer, node.device, node.params.static_shape, node.token, &token,
-                       &call, &error) ||
-           completed_with(error);
+    if (!number_call(*node.layer, node.device, node.params.static_shape, &node.step, &call,
+                     &error))
+      return completed_with(error);
+    token = node.step->token;
+    return true;
   }
 
   // Backward: the forward's statistics, and a head gradient of a dtype the
@@ -219,7 +227,7 @@ struct SyncCall : std::enable_shared_from_this<SyncCall> {
   // since it was issued.
   bool current() {
     std::string error;
-    return backward_current(*node.layer, node.params.static_shape, node.token, &error) ||
+    return backward_current(*node.layer, *node.step, &error) ||
            completed_with(error);
   }
 
@@ -293,7 +301,8 @@ struct SyncCall : std::enable_shared_from_this<SyncCall> {
                 std::function<void(const std::vector<double>&)> then) {
     Call self = shared_from_this();
     issuer = std::this_thread::get_id();
-    meet_async(*node.layer, key, node.device, std::move(contribution), node.params.dtype_name,
+    meet_async(*node.layer, key, node.step, node.device, std::move(contribution),
+               node.params.dtype_name,
                    [self, then](const std::string& failure, const std::vector<double>& total) {
       if (!failure.empty()) return self->complete(failure);
       self->guard([&then, &total]() { then(total); })();

@@ -106,8 +106,10 @@ int64_t gsbn_layer_create(const char* name, const char* devices, int num_devices
   for (int i = 0; i < num_devices; ++i, d += std::strlen(d) + 1) layer->devices.emplace_back(d);
   layer->sync_group_of.assign(sync_group_of, sync_group_of + num_devices);
   layer->num_sync_groups = num_sync_groups;
+  layer->numbered_token.assign(num_devices, 0);
   layer->next_call.assign(num_devices, 0);
-  layer->stamped_token.assign(num_devices, kNotStamped);
+  layer->issued.assign(num_devices, 0);
+  layer->stamped_step.resize(num_devices);
   layer->issuer.resize(num_devices);
   if (transport > 0) {
     layer->transport = find_transport(transport);
@@ -130,12 +132,12 @@ void gsbn_layer_remove(int64_t handle) {
 // A static graph is being issued on one device, with calls of `layers`
 // (handles) on their devices `devices` (indices): one engine operation on
 // those layers' engine variables, so ordered after the calls issued before
-// and before the graph's, records the token of the step they are issued in,
+// and before the graph's, records the step they are issued in,
 // which numbers them (number_call): a static graph makes its operators once,
 // so they cannot know it. A call of an aborted step is then refused at once
 // instead of waiting for partners. 0 on success.
 int gsbn_stamp_static(const int64_t* layers, const int* devices, int num) {
-  uint64_t token = 0;
+  std::shared_ptr<Step> step;
   std::vector<std::pair<std::shared_ptr<Layer>, int>> stamps;
   std::vector<mxnet::Engine::VarHandle> vars;
   for (int i = 0; i < num; ++i) {
@@ -143,14 +145,14 @@ int gsbn_stamp_static(const int64_t* layers, const int* devices, int num) {
     auto layer = find_layer(layers[i], &error);
     if (!layer || devices[i] < 0 || devices[i] >= static_cast<int>(layer->devices.size()))
       continue;
-    token = issue_token(*layer, devices[i]);
+    step = issue_step(*layer, devices[i], true);
     stamps.emplace_back(layer, devices[i]);
     vars.push_back(layer_variable(layer_key(layers[i], devices[i])));
   }
   if (vars.empty()) return 0;
-  return push_ordering([stamps, token]() {
+  return push_ordering([stamps, step]() {
     std::lock_guard<std::mutex> lock(g_mutex);
-    for (const auto& s : stamps) s.first->stamped_token[s.second] = token;
+    for (const auto& s : stamps) s.first->stamped_step[s.second] = step;
   }, vars, "gluon_syncbn_stamp");
 }
 
@@ -174,13 +176,13 @@ int gsbn_fence(const int64_t* layers, const int* devices, int num, NDArrayHandle
 // until the timeout. Two engine operations tell: the first runs only if `x`
 // was computed (it writes a variable of its own), the second runs anyway
 // (kNoSkip) after it and, if the first did not run, aborts the step with
-// `why` while it is still the step `x` was issued in. 0 on success.
+// `why` while the step `x` was issued in has not failed. 0 on success.
 int gsbn_watch_slice(NDArrayHandle x, const char* why) {
-  uint64_t token;
+  std::shared_ptr<Step> step;
   {
     std::lock_guard<std::mutex> lock(g_mutex);
-    if (g_issue_token != g_token) return 0;  // a failed step's call: refused anyway
-    token = g_token;
+    if (g_step->token != g_token) return 0;  // a failed step's call: refused anyway
+    step = g_step;
   }
   auto computed = std::make_shared<std::atomic<bool>>(false);
   mxnet::Engine::VarHandle seen = new_engine_variable(), input = array_variable(x);
@@ -191,11 +193,11 @@ int gsbn_watch_slice(NDArrayHandle x, const char* why) {
                                 "gluon_syncbn_slice_computed");
   if (!failed) {
     const std::string cause = why;
-    failed = MXEnginePushSync(run_pushed, new Pushed{[computed, token, cause]() {
+    failed = MXEnginePushSync(run_pushed, new Pushed{[computed, step, cause]() {
       if (*computed) return;
       {
         std::lock_guard<std::mutex> lock(g_mutex);
-        if (g_token != token) return;
+        if (!current_locked(*step)) return;
         abort_locked(cause);
       }
       run_pending();
@@ -277,11 +279,12 @@ void gsbn_reading(const char* read, int sole) {
 }
 
 // The current step's token; `begin`: a training step begins first (Python's
-// record()/train_mode() scope is entered), so calls issued from now get it.
+// record()/train_mode() scope is entered), so calls issued from now get it
+// (a new step where balanced_locked, else the one begun before).
 uint64_t gsbn_step(int begin) {
   std::lock_guard<std::mutex> lock(g_mutex);
   if (begin) {
-    g_issue_token = g_token;
+    if (g_step->token != g_token || balanced_locked()) g_step.reset(new Step{g_token, false});
     g_remote_in_step = false;
   }
   return g_token;
@@ -291,12 +294,13 @@ uint64_t gsbn_step(int begin) {
 // ..."), copied into `text`; "" while it has not. Returns its length.
 int gsbn_step_failure(char* text, int text_size) {
   std::lock_guard<std::mutex> lock(g_mutex);
-  return copy_out(g_token == g_issue_token ? "" : failure_text(g_cause, g_cause_kind), text,
+  return copy_out(g_token == g_step->token ? "" : failure_text(g_cause, g_cause_kind), text,
                   text_size);
 }
 
-// Aborts the step; `exiting`: at interpreter exit, which is never fatal.
-void gsbn_abort(const char* cause, int exiting) { abort_step(cause, exiting != 0); }
+// Aborts the current step (`exiting`: at interpreter exit, which is never
+// fatal, every call issued so far: abort_locked).
+void gsbn_abort(const char* cause, int exiting) { abort_step(cause, exiting != 0, exiting != 0); }
 
 // Why cross-process synchronization broke ("" if it did not; fatal_locked),
 // copied into `text`; returns its length.

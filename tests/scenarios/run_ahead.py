@@ -3,6 +3,8 @@ statistics, aborted steps, predict calls inside a step, a new device set
 (tests/test_run_ahead.py; tests/test_native_transport.py and
 tests/dist_worker.py's jobs run run_ahead too).
 """
+import contextlib
+import threading
 import time
 
 import numpy as np
@@ -35,21 +37,53 @@ class _DelayedNet(gluon.HybridBlock):
         return self.bn2(self.bn1(late))
 
 
+# Set: the held operators' outputs are computed (_Held).
+_RELEASE = threading.Event()
+
+
+class _Held(mx.operator.CustomOp):
+    """Its input, once _RELEASE is set: what reads its output stays queued in
+    the engine until then (a custom operator runs on a thread of its own, so
+    no engine worker waits)."""
+
+    def forward(self, is_train, req, in_data, out_data, aux):
+        _RELEASE.wait(60)
+        self.assign(out_data[0], req[0], in_data[0])
+
+
+@mx.operator.register('gluon_syncbn_tests_held')
+class _HeldProp(mx.operator.CustomOpProp):
+    def __init__(self):
+        super(_HeldProp, self).__init__(need_top_grad=False)
+
+    def infer_shape(self, in_shape):
+        return in_shape, [in_shape[0]], []
+
+    def create_operator(self, ctx, shapes, dtypes):
+        return _Held()
+
+
 @scenario
 def aborted_then_exact(hybridize='static', cause='user_code', aborts=1, steps=4, delay=800,
-                       num_devices=3, timeout_seconds=30.0, seed=0):
-    """One exact step, then ``aborts`` steps abandoned by ``cause`` with the
-    layers' calls held behind a ``delay`` x ``delay`` dot, then ``steps``
-    steps issued at once, nothing read before the last: their outputs and
-    the running statistics against float64 maths (the abandoned steps must
-    leave the statistics alone), and the seconds from the first abandoned
-    step to the last result. ``cause``: ``'user_code'`` (a ValueError after
+                       num_devices=3, timeout_seconds=30.0, seed=0, blocks=False):
+    """One exact step whose backward calls stay queued (its head gradients
+    held, _Held) until the first abandoned step failed, then ``aborts``
+    steps abandoned by ``cause`` with the layers' calls held behind a
+    ``delay`` x ``delay`` dot, then ``steps`` steps issued at once, nothing
+    read before the last: their outputs and the running statistics against
+    float64 maths (the abandoned steps must leave the statistics alone, and
+    the first step's backward must run: ``first_grads``, the second layer's
+    gamma and beta gradients), and the seconds from the first abandoned step
+    to the last result. ``cause``: ``'user_code'`` (a ValueError after
     every device but the last was issued), ``'interrupt'`` (a
     KeyboardInterrupt there), ``'bad_input'`` (the last device's slice has
     the wrong channel count: the layer refuses it), ``'missing'`` (the last
     device is never fed: the others' calls time out, after
     ``timeout_seconds``, and a read raises) or ``'reset'``
-    (``gluon_syncbn.reset()`` there)."""
+    (``gluon_syncbn.reset()`` there). ``blocks``: every step records one
+    ``autograd.record()`` block per device (one step all the same: an abort
+    in the last fails the others' calls at once)."""
+    _RELEASE.clear()
     rng = np.random.RandomState(seed)
     ctxs = contexts(num_devices)
     net = _ready(_DelayedNet(timeout_seconds), ctxs, hybridize)
@@ -57,23 +91,29 @@ def aborted_then_exact(hybridize='static', cause='user_code', aborts=1, steps=4,
     shape = (num_devices, 3, 4, 4)
     expected_running = [(np.zeros(3), np.ones(3)), (np.zeros(3), np.ones(3))]
 
-    def step(x, fail=None):
+    def step(x, fail=None, dy=None):
         outs = []
-        with autograd.record():
+        # One record() block for all devices, or (``blocks``) one per device
+        outer, inner = ((contextlib.nullcontext, autograd.record) if blocks
+                        else (autograd.record, contextlib.nullcontext))
+        with outer():
             for i, c in enumerate(ctxs):
-                last = i == num_devices - 1
-                if last and fail == 'user_code':
-                    raise ValueError('user code failed on the last device')
-                if last and fail == 'interrupt':
-                    raise KeyboardInterrupt
-                if last and fail == 'reset':
-                    gluon_syncbn.reset()
-                    return outs
-                if last and fail == 'missing':
-                    return outs
-                xi = x[i:i + 1] if not (last and fail == 'bad_input') else x[i:i + 1, :2]
-                outs.append(net(mx.nd.array(xi, ctx=c), slows[i]))
-        autograd.backward(outs)
+                with inner():
+                    last = i == num_devices - 1
+                    if last and fail == 'user_code':
+                        raise ValueError('user code failed on the last device')
+                    if last and fail == 'interrupt':
+                        raise KeyboardInterrupt
+                    if last and fail == 'reset':
+                        gluon_syncbn.reset()
+                        return outs
+                    if last and fail == 'missing':
+                        return outs
+                    xi = x[i:i + 1] if not (last and fail == 'bad_input') else x[i:i + 1, :2]
+                    outs.append(net(mx.nd.array(xi, ctx=c), slows[i]))
+        autograd.backward(outs, None if dy is None else [
+            mx.nd.Custom(mx.nd.array(dy[i:i + 1], ctx=c), op_type='gluon_syncbn_tests_held')
+            for i, c in enumerate(ctxs)])
         return outs
 
     def expect(x):
@@ -83,23 +123,30 @@ def aborted_then_exact(hybridize='static', cause='user_code', aborts=1, steps=4,
             expected_running[i] = (rm * 0.9 + m * 0.1, rv * 0.9 + v * 0.1)
         return y
 
-    x = rng.randn(*shape).astype(np.float32)
+    x, dy = rng.randn(*shape).astype(np.float32), rng.randn(*shape).astype(np.float32)
     errs = WorstErrors()
-    errs.note('first', np.concatenate([o.asnumpy() for o in step(x)]), expect(x))
-    # Its backward calls done: an abort fails every call still queued, an
-    # earlier step's backward too (its gradients and, on CPU contexts, its
-    # running statistics' update).
-    mx.nd.waitall()
+    errs.note('first', np.concatenate([o.asnumpy() for o in step(x, dy=dy)]), expect(x))
+    y1 = batchnorm_float64(x, x, _GAMMA1, _BETA1)[0]
+    _, _, dgamma, dbeta, _, _ = batchnorm_float64(y1, dy, np.ones(3), np.zeros(3))
     start = time.time()
     raised = []
     for _ in range(aborts):
+        outs = None
         try:
             outs = step((rng.randn(*shape) * 100 + 50).astype(np.float32), fail=cause)
         except (ValueError, KeyboardInterrupt, gluon_syncbn.SyncBatchNormError,
                 mx.base.MXNetError) as exc:  # a hybridized graph's refusal is MXNet's
             raised.append(type(exc).__name__)
-        else:
+        _RELEASE.set()  # the first step's backward runs after the abort
+        if outs is not None:
             raised.append(_capture(lambda: [o.wait_to_read() for o in outs])[1])
+    # (the first layer's are sums that cancel to rounding: the second's
+    # input gradient is orthogonal to them)
+    try:
+        for param, expected in ((net.bn2.gamma, dgamma), (net.bn2.beta, dbeta)):
+            errs.note('first_grads', sum(g.asnumpy() for g in param.list_grad()), expected)
+    except mx.base.MXNetError:  # the first step's backward failed
+        errs['first_grads'] = float('inf')
     issued = []
     for _ in range(steps):
         x = rng.randn(*shape).astype(np.float32)
