@@ -43,7 +43,7 @@ def as_ours(exc, heads, session):
     if not names:
         if not unnamed:
             return None  # not through our layers
-        names = sorted({b.layer_name for b in session.live_backends()})
+        names = sorted({b.layer.name for b in session.live_backends()})
     ours = SyncBatchNormError(messages.text('no_higher_order', layer="', '".join(names)))
     ours.__cause__ = exc
     return ours
@@ -68,7 +68,7 @@ def _layers_in(heads, session):
     found = set()
     for backend in session.live_backends():
         if str(backend.handle) in handles or _variables_of(backend.layer.params) & variables:
-            found.add(backend.layer_name)
+            found.add(backend.layer.name)
     return sorted(found)
 
 

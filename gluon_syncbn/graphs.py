@@ -348,7 +348,7 @@ class Graphs(object):
         self.contexts = [(layer.gamma, layer.gamma.list_ctx()) for layer in layers]
         self.arguments = arguments  # (layer, its eps and momentum in the training graph)
         self.backends = list(backends)
-        names = sorted({b.layer_name for b in self.backends})
+        names = sorted({b.layer.name for b in self.backends})
         self.names = ', '.join("'%s'" % n for n in names)
         self.num_devices = len(self.backends[0].devices) if self.backends else 0
         # Whether an empty slice can run imperatively: every layer in the

@@ -115,7 +115,6 @@ class Backend(object):
 
     def __init__(self, layer, devices, transport, lib, functions):
         self.layer = layer
-        self.layer_name = layer.name
         self.devices = list(devices)
         self.transport = transport
         self.contexts = layer.params.gamma.list_ctx()  # the Parameter's own list
@@ -151,7 +150,7 @@ class Backend(object):
                     # global numbering: every device owned once.
                     owners = [1.0 if rank * local <= d < (rank + 1) * local else 0.0
                               for d in range(local * workers)]
-        handle = self._lib.create_layer(self.layer_name, self.devices, self.layer.timeout,
+        handle = self._lib.create_layer(self.layer.name, self.devices, self.layer.timeout,
                                         self.layer.remote_timeout, timeout_hint(self.devices),
                                         self.sync_group_of, len(self.sync_groups), twin, owners)
         # Not at interpreter exit: the exit hook still needs the layer then.
@@ -164,7 +163,7 @@ class Backend(object):
         the engine skips this device's calls, and the step fails at once
         naming the empty slice instead of the others waiting for it
         (``gsbn_watch_slice``)."""
-        self._lib.watch_slice(x, messages.text('empty_slice_refused', layer=self.layer_name,
+        self._lib.watch_slice(x, messages.text('empty_slice_refused', layer=self.layer.name,
                                                device=x.context, shape=x.shape))
 
     def forward(self, F, x, params, call):
